@@ -1,0 +1,22 @@
+"""Engine-side communication: device choice, process groups, counted and bounded collectives."""
+
+from kernels_runtime.comm.accelerator import Accelerator
+from kernels_runtime.comm.collectives import Collectives, CollectiveTimeoutError
+from kernels_runtime.comm.process_group import (
+    DistributedState,
+    destroy_distributed,
+    find_free_port,
+    init_distributed,
+)
+from kernels_runtime.comm.stats import CommStats
+
+__all__ = [
+    "Accelerator",
+    "CollectiveTimeoutError",
+    "Collectives",
+    "CommStats",
+    "DistributedState",
+    "destroy_distributed",
+    "find_free_port",
+    "init_distributed",
+]

@@ -1,0 +1,131 @@
+"""``Plan``: how a training or inference job is split over ranks, validated before any rank works.
+
+A plan is written as a string in a notebook (``%%colossal --plan "dp=2 tp=2 zero=1 bf16"``) or
+built in code (``Plan(dp=2, tp=2, zero_stage=1, precision="bf16")``). Both routes end in
+``Plan.validate(world_size, model_config)``, which names the offending field and a fix for every
+impossible combination, so a mistake never reaches a rank as a hang or a shape error.
+
+This module has no torch import: the notebook side parses and validates plans without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+TP_MODES = ("1d", "2d", "2.5d")
+SP_MODES = ("split_gather", "all_to_all", "ring")
+PRECISIONS = ("fp32", "bf16", "fp16")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+OFFLOADS = ("none", "auto", "static")
+AXES = ("dp", "pp", "sp", "tp")  # mesh axis order, outermost first
+
+_ALIASES = {
+    "zero": "zero_stage",
+    "mb": "microbatches",
+    "microbatch": "microbatches",
+    "ckpt": "activation_checkpointing",
+    "checkpointing": "activation_checkpointing",
+    "schedule": "pp_schedule",
+    "depth": "tp_depth",
+}
+_FLAGS = {
+    "fp32": ("precision", "fp32"),
+    "bf16": ("precision", "bf16"),
+    "fp16": ("precision", "fp16"),
+    "ckpt": ("activation_checkpointing", True),
+    "activation_checkpointing": ("activation_checkpointing", True),
+}
+
+
+class PlanError(ValueError):
+    """An impossible plan: the message names the field and a way to fix it."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    dp: int | None = None  # None: whatever world_size leaves after tp, pp, sp
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    tp_mode: str = "1d"
+    tp_depth: int = 1  # 2.5d only: number of stacked q x q grids
+    sp_mode: str = "split_gather"
+    zero_stage: int = 0
+    offload: str = "none"
+    precision: str = "fp32"
+    microbatches: int = 1
+    pp_schedule: str = "1f1b"
+    activation_checkpointing: bool = False
+
+    # ---- parsing ------------------------------------------------------------------------
+    @classmethod
+    def parse(cls, text: str | Plan | None) -> Plan:
+        """Parse ``"dp=2 tp=2 zero=1 bf16"`` (spaces or commas between items)."""
+        if isinstance(text, Plan):
+            return text
+        values: dict[str, Any] = {}
+        names = {f.name: f for f in fields(cls)}
+        for item in (text or "").replace(",", " ").split():
+            key, sep, raw = item.partition("=")
+            key = key.strip().lower().replace("-", "_")
+            if not sep:
+                if key not in _FLAGS:
+                    raise PlanError(
+                        f"plan item {item!r} is not understood: write key=value (e.g. dp=2) or a "
+                        f"flag ({', '.join(sorted(_FLAGS))})"
+                    )
+                field_name, value = _FLAGS[key]
+                values[field_name] = value
+                continue
+            field_name = _ALIASES.get(key, key)
+            if field_name not in names:
+                known = ", ".join(sorted(set(names) | set(_ALIASES)))
+                raise PlanError(f"plan key {key!r} is unknown; known keys: {known}")
+            values[field_name] = _convert(field_name, raw.strip())
+        return cls(**values)
+
+    def to_string(self) -> str:
+        """The canonical string form; ``Plan.parse(p.to_string()) == p``."""
+        default = Plan()
+        items = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v == getattr(default, f.name):
+                continue
+            if isinstance(v, bool):
+                v = "on" if v else "off"
+            items.append(f"{f.name}={v}")
+        return " ".join(items) or "dp=auto"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    # ---- validation ---------------------------------------------------------------------
+    def validate(self, world_size: int, model_config: Any = None) -> Plan:
+        """Return the plan with dp resolved, or raise PlanError naming the field and a fix."""
+        from kernels_runtime.mesh.validation import check_plan
+
+        return check_plan(self, world_size, model_config)
+
+    def with_(self, **changes: Any) -> Plan:
+        return replace(self, **changes)
+
+
+def _convert(name: str, raw: str) -> Any:
+    """Convert one ``key=value`` string to the field's type, with a clear error."""
+    if name == "dp" and raw.lower() == "auto":
+        return None
+    if name == "activation_checkpointing":
+        low = raw.lower()
+        if low in ("1", "true", "on", "yes"):
+            return True
+        if low in ("0", "false", "off", "no"):
+            return False
+        raise PlanError(f"activation_checkpointing={raw!r}: use on or off")
+    if name in ("dp", "tp", "pp", "sp", "tp_depth", "zero_stage", "microbatches"):
+        try:
+            return int(raw)
+        except ValueError:
+            raise PlanError(f"{name}={raw!r} is not an integer (e.g. {name}=2)") from None
+    return raw.lower()

@@ -1,0 +1,139 @@
+"""Every rule a plan must satisfy, each failing with the field name and a fix.
+
+Kept apart from ``plan.py`` so the rules read as one list. Checks that need the model (heads
+divisible by tp, layers by pp) run only when a model config is given; the config may be an HF
+config object or a dict with the usual names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from kernels_runtime.mesh.plan import (
+    OFFLOADS,
+    PP_SCHEDULES,
+    PRECISIONS,
+    SP_MODES,
+    TP_MODES,
+    Plan,
+    PlanError,
+)
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise PlanError(f"{name}={value!r} is not supported; choose one of: {', '.join(allowed)}")
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise PlanError(f"{name}={value} must be at least 1")
+
+
+def _config_value(config: Any, *names: str) -> int | None:
+    for n in names:
+        v = config.get(n) if isinstance(config, dict) else getattr(config, n, None)
+        if v is not None:
+            return int(v)
+    return None
+
+
+def check_plan(plan: Plan, world_size: int, model_config: Any = None) -> Plan:
+    if world_size < 1:
+        raise PlanError(f"world_size={world_size}: start a pool with at least one rank")
+    for name in ("dp", "tp", "pp", "sp", "tp_depth", "microbatches"):
+        _positive(name, getattr(plan, name))
+    _choice("tp_mode", plan.tp_mode, TP_MODES)
+    _choice("sp_mode", plan.sp_mode, SP_MODES)
+    _choice("precision", plan.precision, PRECISIONS)
+    _choice("pp_schedule", plan.pp_schedule, PP_SCHEDULES)
+    _choice("offload", plan.offload, OFFLOADS)
+    if plan.zero_stage not in (0, 1, 2, 3):
+        raise PlanError(f"zero={plan.zero_stage}: ZeRO stages are 0 (DDP), 1, 2 or 3")
+
+    model_ranks = plan.tp * plan.pp * plan.sp
+    if plan.dp is None:
+        if world_size % model_ranks:
+            raise PlanError(
+                f"tp*pp*sp = {model_ranks} does not divide the {world_size} ranks of the pool; "
+                f"choose degrees whose product divides {world_size}"
+            )
+        plan = replace(plan, dp=world_size // model_ranks)
+    assert plan.dp is not None
+    if plan.dp * model_ranks != world_size:
+        raise PlanError(
+            f"dp*tp*pp*sp = {plan.dp}*{plan.tp}*{plan.pp}*{plan.sp} = {plan.dp * model_ranks} but "
+            f"the pool has {world_size} ranks; make the product {world_size}, or write dp=auto"
+        )
+    _check_tensor_mode(plan)
+    if plan.zero_stage and plan.dp == 1:
+        raise PlanError(
+            f"zero={plan.zero_stage} shards model states over data-parallel ranks, but dp=1; "
+            "use zero=0 or raise dp"
+        )
+    if plan.zero_stage >= 2 and plan.pp > 1:
+        raise PlanError(
+            f"zero={plan.zero_stage} with pp={plan.pp}: gradients are reused across microbatches "
+            "by the pipeline; use zero=0 or zero=1 with pipeline parallelism"
+        )
+    if plan.pp > 1 and plan.microbatches < plan.pp:
+        raise PlanError(
+            f"microbatches={plan.microbatches} with pp={plan.pp}: the pipeline would idle; "
+            f"use at least microbatches={plan.pp}"
+        )
+    if plan.pp_schedule == "interleaved" and plan.pp > 1 and plan.microbatches % plan.pp:
+        raise PlanError(
+            f"pp_schedule=interleaved needs microbatches divisible by pp={plan.pp} "
+            f"(got {plan.microbatches})"
+        )
+    if plan.sp > 1 and plan.sp_mode == "split_gather" and plan.tp == 1:
+        raise PlanError(
+            "sp_mode=split_gather shards activations along the tensor-parallel axis; set tp>1 "
+            "or choose sp_mode=all_to_all or ring"
+        )
+    if model_config is not None:
+        _check_model(plan, model_config)
+    return plan
+
+
+def _check_tensor_mode(plan: Plan) -> None:
+    if plan.tp_mode == "1d":
+        if plan.tp_depth != 1:
+            raise PlanError("tp_depth is only for tp_mode=2.5d; remove it or set tp_mode=2.5d")
+        return
+    depth = plan.tp_depth if plan.tp_mode == "2.5d" else 1
+    if plan.tp_mode == "2d" and plan.tp_depth != 1:
+        raise PlanError("tp_depth is only for tp_mode=2.5d; remove it or set tp_mode=2.5d")
+    if plan.tp % depth:
+        raise PlanError(f"tp={plan.tp} is not divisible by tp_depth={depth} for tp_mode=2.5d")
+    q = round((plan.tp // depth) ** 0.5)
+    if q * q * depth != plan.tp or q < 2:
+        shape = "q*q" if depth == 1 else f"q*q*{depth}"
+        raise PlanError(
+            f"tp_mode={plan.tp_mode} needs tp = {shape} with q >= 2 (e.g. tp={4 * depth}); "
+            f"got tp={plan.tp}"
+        )
+
+
+def _check_model(plan: Plan, config: Any) -> None:
+    heads = _config_value(config, "num_attention_heads", "n_head", "num_heads")
+    layers = _config_value(config, "num_hidden_layers", "n_layer", "num_layers")
+    kv_heads = _config_value(config, "num_key_value_heads")
+    if heads is not None and plan.tp > 1 and heads % plan.tp:
+        raise PlanError(
+            f"tp={plan.tp} does not divide the model's {heads} attention heads; "
+            f"choose tp among the divisors of {heads}"
+        )
+    if kv_heads is not None and plan.tp > 1 and kv_heads % plan.tp and plan.tp_mode == "1d":
+        raise PlanError(
+            f"tp={plan.tp} does not divide the model's {kv_heads} key/value heads; "
+            f"choose tp among the divisors of {kv_heads}"
+        )
+    if heads is not None and plan.sp > 1 and plan.sp_mode == "all_to_all" and heads % plan.sp:
+        raise PlanError(
+            f"sp_mode=all_to_all splits the {heads} heads over sp={plan.sp}; "
+            "choose sp dividing the head count or sp_mode=ring"
+        )
+    if layers is not None and plan.pp > layers:
+        raise PlanError(f"pp={plan.pp} exceeds the model's {layers} layers; use pp <= {layers}")

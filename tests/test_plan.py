@@ -1,0 +1,56 @@
+"""``Plan`` parsing and validation: every impossible plan is a clear error before ranks work."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernels_runtime.mesh.plan import Plan, PlanError
+
+
+def test_parse_round_trip_and_dp_inference():
+    p = Plan.parse("dp=2 tp=2 zero=1 bf16")
+    assert (p.dp, p.tp, p.zero_stage, p.precision) == (2, 2, 1, "bf16")
+    assert Plan.parse(p.to_string()) == p
+    assert Plan.parse("tp=2").validate(4).dp == 2
+    assert Plan().validate(3).dp == 3
+    assert Plan.parse("pp=2 mb=4 schedule=gpipe ckpt").validate(2).activation_checkpointing
+
+
+INVALID = [
+    ("dp=3", 4, None, "pool has 4 ranks"),
+    ("tp=3", 4, None, "does not divide the 4 ranks"),
+    ("zero=4", 2, None, "ZeRO stages"),
+    ("zero=1 dp=1", 1, None, "dp=1"),
+    ("tp_mode=2d tp=2", 2, None, "q\\*q"),
+    ("tp_mode=2.5d tp=4 depth=2", 4, None, "q\\*q\\*2"),
+    ("tp_mode=2.5d tp=8 depth=3", 8, None, "not divisible by tp_depth"),
+    ("tp_depth=2 tp=2", 2, None, "only for tp_mode=2.5d"),
+    ("precision=fp8", 2, None, "precision='fp8'"),
+    ("tp_mode=3d", 2, None, "tp_mode='3d'"),
+    ("pp=2 mb=1", 2, None, "microbatches=1"),
+    ("pp=2 zero=2 mb=2 dp=2", 4, None, "zero=2 with pp=2"),
+    ("sp=2", 2, None, "split_gather"),
+    ("tp=4", 4, {"num_attention_heads": 6}, "6 attention heads"),
+    ("pp=4 mb=4", 4, {"n_layer": 2}, "exceeds the model's 2 layers"),
+    ("sp=4 sp_mode=all_to_all", 4, {"n_head": 6}, "divisible|dividing"),
+    ("dp=0", 2, None, "at least 1"),
+    ("offload=nvme", 2, None, "offload='nvme'"),
+    ("pp=2 mb=3 schedule=interleaved", 2, None, "divisible by pp"),
+]
+
+
+@pytest.mark.parametrize("text, world, config, message", INVALID)
+def test_invalid_plans_name_the_field_and_a_fix(text, world, config, message):
+    with pytest.raises(PlanError, match=message):
+        Plan.parse(text).validate(world, config)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("dp=two", "not an integer"),
+    ("banana", "not understood"),
+    ("speed=11", "unknown"),
+    ("ckpt=maybe", "on or off"),
+])
+def test_unparseable_plan_strings(text, message):
+    with pytest.raises(PlanError, match=message):
+        Plan.parse(text)

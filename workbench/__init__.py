@@ -1,0 +1,29 @@
+"""Notebook side of colossal-workbench: the pool of ranks, the ``%colossal`` magics, the CLI.
+
+``%load_ext workbench`` registers the magics. The notebook talks to ranks only through
+ipyparallel; it never touches torch.distributed itself.
+"""
+
+__version__ = "0.1.0"
+
+from typing import Any
+
+from workbench.errors import PoolError, RankFailureError
+from workbench.pool import Pool, RankStatus
+
+__all__ = ["Pool", "PoolError", "RankFailureError", "RankStatus", "load_ipython_extension"]
+
+
+def load_ipython_extension(ip: Any) -> None:
+    """``%load_ext workbench``: register ``%colossal`` and ``%%colossal``."""
+    from workbench.magics import ColossalMagics
+
+    if "ColossalMagics" not in ip.magics_manager.registry:
+        ip.register_magics(ColossalMagics(ip))
+
+
+def unload_ipython_extension(ip: Any) -> None:
+    magics = ip.magics_manager.registry.get("ColossalMagics")
+    if magics is not None and magics.pool is not None:
+        magics.pool.stop()
+        magics.pool = None

@@ -1,0 +1,156 @@
+"""Run one cell on a set of ranks: stream output, notice failures, handle interrupts.
+
+The waiting loop runs in the notebook's main thread so that output it forwards lands in the
+running cell (ipykernel routes output printed from other threads to the cell that started the
+thread) and so that the kernel's interrupt arrives here as KeyboardInterrupt.
+
+Failure policy, chosen so the notebook never hangs:
+- an exception on some rank: the others get ``failure_grace_s`` to finish, then are interrupted
+  (they may be waiting for the failed rank inside a collective);
+- a dead rank: reported by rank and exit signal as soon as ipyparallel's nanny notices;
+- the kernel's interrupt: SIGINT to every busy rank, then KeyboardInterrupt in the notebook;
+- after any failure the process group is marked for re-creation before the next cell, since an
+  interrupted or timed-out collective leaves gloo and nccl groups unusable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ipyparallel.error import RemoteError
+
+from workbench.errors import PoolError, RankError, RankFailureError, describe_exit
+from workbench.pool import Pool
+
+StreamSink = Callable[[int, str, str], None]  # (rank, "stdout"|"stderr", text)
+DisplaySink = Callable[[int, dict[str, Any]], None]  # (rank, display_data content)
+
+POLL_S = 0.02
+
+
+@dataclass
+class CellOutcome:
+    ranks: list[int]
+    seconds: float
+    execute_results: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+class _OutputForwarder:
+    """Forward each rank's new stdout/stderr/display output since the last call."""
+
+    def __init__(self, ranks: list[int], metadata: list[dict], stream: StreamSink,
+                 display: DisplaySink) -> None:
+        self.ranks, self.metadata = ranks, metadata
+        self.stream, self.display = stream, display
+        self.sent = [{"stdout": 0, "stderr": 0, "outputs": 0} for _ in ranks]
+
+    def flush(self) -> None:
+        for i, rank in enumerate(self.ranks):
+            md, sent = self.metadata[i], self.sent[i]
+            for name in ("stdout", "stderr"):
+                text = md.get(name) or ""
+                if len(text) > sent[name]:
+                    self.stream(rank, name, text[sent[name]:])
+                    sent[name] = len(text)
+            outputs = md.get("outputs") or []
+            for content in outputs[sent["outputs"]:]:
+                self.display(rank, content)
+            sent["outputs"] = len(outputs)
+
+
+def _dead_rank_error(pool: Pool, rank: int) -> RankError:
+    how = describe_exit(pool.exit_code_of(rank))
+    return RankError(rank, "died", "RankDied", f"rank {rank} process died ({how})")
+
+
+def _rank_error(pool: Pool, rank: int, exc: BaseException) -> RankError:
+    if isinstance(exc, RemoteError):
+        if exc.ename == "EngineError":
+            return _dead_rank_error(pool, rank)
+        kind = "interrupted" if exc.ename == "KeyboardInterrupt" else "error"
+        tb = exc.traceback.splitlines() if isinstance(exc.traceback, str) else list(exc.traceback)
+        return RankError(rank, kind, exc.ename, exc.evalue, tb)
+    return RankError(rank, "error", type(exc).__name__, str(exc))
+
+
+def check_ranks_alive(pool: Pool, ranks: list[int]) -> None:
+    dead = [r for r in pool.dead_ranks() if r in ranks]
+    if dead:
+        errors = [_dead_rank_error(pool, r) for r in dead]
+        raise RankFailureError(errors, hint="Run `%colossal restart` to bring back a full pool.")
+
+
+def run_cell(
+    pool: Pool,
+    code: str,
+    *,
+    ranks: list[int] | None = None,
+    stream: StreamSink,
+    display: DisplaySink,
+    timeout_s: float | None = None,
+    failure_grace_s: float = 1.0,
+    interrupt_wait_s: float = 2.0,
+) -> CellOutcome:
+    """Execute ``code`` on ``ranks`` (all by default) and wait, forwarding output live."""
+    ranks = list(range(pool.world_size)) if ranks is None else ranks
+    check_ranks_alive(pool, ranks)
+    if pool.needs_reset:
+        pool.reset_process_group()
+        pool.needs_reset = False
+    t0 = time.perf_counter()
+    ar = pool.view(ranks).execute(code, silent=False, block=False)
+    md = ar.metadata
+    md = [md] if isinstance(md, dict) else md
+    out = _OutputForwarder(ranks, md, stream, display)
+    first_failure: float | None = None
+    try:
+        while not ar.wait(POLL_S):
+            out.flush()
+            now = time.perf_counter()
+            if first_failure is None and any(m.get("status") == "error" for m in md):
+                first_failure = now
+            if first_failure is not None and now - first_failure > failure_grace_s:
+                _interrupt(pool, ranks, ar)
+                first_failure = float("inf")  # interrupt once
+            if timeout_s is not None and now - t0 > timeout_s:
+                _interrupt(pool, ranks, ar)
+                ar.wait(interrupt_wait_s)
+                out.flush()
+                pool.needs_reset = True
+                raise PoolError(
+                    f"cell did not finish within --timeout {timeout_s:g} s; every rank was "
+                    "interrupted and the process group will be re-created before the next cell"
+                )
+    except KeyboardInterrupt:
+        _interrupt(pool, ranks, ar)
+        ar.wait(interrupt_wait_s)
+        out.flush()
+        pool.needs_reset = True
+        busy = [r for r, p in zip(ranks, ar.split()) if not p.done()]
+        if busy:
+            stream(ranks[0], "stderr", f"[workbench] ranks {busy} still busy after the interrupt"
+                   " (inside a collective?); they stop at the collective timeout\n")
+        raise
+    ar.wait_for_output(1.0)
+    out.flush()
+    if not ar.successful():
+        failures = [_rank_error(pool, r, p.exception()) for r, p in zip(ranks, ar.split())
+                    if p.exception() is not None]
+        pool.needs_reset = True
+        hint = ""
+        if any(f.kind == "died" for f in failures):
+            hint = "Run `%colossal restart` to bring back a full pool."
+        raise RankFailureError(failures, hint=hint)
+    results = {r: m["execute_result"] for r, m in zip(ranks, md) if m.get("execute_result")}
+    return CellOutcome(ranks, time.perf_counter() - t0, results)
+
+
+def _interrupt(pool: Pool, ranks: list[int], ar: Any) -> None:
+    busy = [pool.engine_ids[r] for r, p in zip(ranks, ar.split()) if not p.done()]
+    alive = set(pool.client.ids) if pool.client else set()
+    targets = [e for e in busy if e in alive]
+    if targets:
+        pool.client.send_signal("SIGINT", targets=targets, block=False)

@@ -1,0 +1,250 @@
+"""``%colossal`` (pool lifecycle) and ``%%colossal`` (run a cell on every rank).
+
+Options are declared once per group and composed with decorators, so the line and cell forms
+share their definitions (ipyparallel's ``%px`` does the same). Argument mistakes become
+IPython ``UsageError``s with argparse's message; failures on ranks become one
+``RankFailureError`` naming every failing rank.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import publish_display_data
+
+from kernels_runtime.mesh.plan import Plan, PlanError
+from workbench import engine_calls
+from workbench.errors import PoolError
+from workbench.execution import run_cell
+from workbench.pool import Pool
+
+POOL_COMMANDS = ("start", "stop", "restart", "status")
+
+
+def _timeout_arg(f):
+    return argument(
+        "--timeout", type=float, default=None,
+        help="seconds: for a cell, interrupt every rank after this long; for start/restart, "
+             "the collective timeout of the process group (default 60)",
+    )(f)
+
+
+def _pool_args(f):
+    for arg in reversed([
+        argument("command", nargs="?", default="status", choices=POOL_COMMANDS),
+        argument("-n", type=int, default=None,
+                 help="number of ranks (default: one per GPU, else 2 CPU ranks)"),
+        argument("--backend", choices=("gloo", "nccl"), default=None),
+        argument("--launcher", default="local",
+                 help="ipyparallel engine launcher: local, mpi, slurm, ssh, ..."),
+        argument("--controller-ip", default=None,
+                 help="address the controller binds to (required for remote launchers)"),
+    ]):
+        f = arg(f)
+    return _timeout_arg(f)
+
+
+def _exec_args(f):
+    for arg in reversed([
+        argument("--plan", default=None, help='parallel plan, e.g. "dp=2 zero=1 bf16"'),
+        argument("--targets", default=None, help="comma-separated ranks, e.g. 0,1"),
+        argument("--output", choices=("rank0", "all"), default="rank0",
+                 help="whose output to show: the first target only, or every rank prefixed"),
+        argument("--push", default="", help="notebook variables to send to every rank: a,b"),
+        argument("--pull", default="", help="variables of the first target to bring back: c"),
+    ]):
+        f = arg(f)
+    return _timeout_arg(f)
+
+
+def _unquote(text: str | None) -> str | None:
+    """IPython's magic argument splitter keeps the quotes around ``--plan "dp=2 tp=2"``."""
+    if text and len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def _names(text: str) -> list[str]:
+    text = _unquote(text) or ""
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+class _StreamPrinter:
+    """Writes rank output to the notebook, prefixing each line with ``[rank k]`` if asked."""
+
+    def __init__(self, primary: int, show_all: bool) -> None:
+        self.primary, self.show_all = primary, show_all
+        self.line_start: dict[tuple[int, str], bool] = {}
+
+    def stream(self, rank: int, name: str, text: str) -> None:
+        if not self.show_all and rank != self.primary:
+            return
+        target = sys.stderr if name == "stderr" else sys.stdout
+        if self.show_all:
+            key = (rank, name)
+            prefix = f"[rank {rank}] "
+            lines = text.splitlines(keepends=True)
+            pieces = []
+            for line in lines:
+                pieces.append((prefix if self.line_start.get(key, True) else "") + line)
+                self.line_start[key] = line.endswith("\n")
+            text = "".join(pieces)
+        target.write(text)
+        target.flush()
+
+    def display(self, rank: int, content: dict[str, Any]) -> None:
+        if self.show_all or rank == self.primary:
+            publish_display_data(content.get("data", {}), content.get("metadata", {}))
+
+
+@magics_class
+class ColossalMagics(Magics):
+    """State: the pool this notebook drives, and the plan last sent to its ranks."""
+
+    def __init__(self, shell: Any = None) -> None:
+        super().__init__(shell)
+        self.pool: Pool | None = None
+        self.default_plan: Plan = Plan()
+        self._sent_plan: tuple[Any, ...] | None = None
+
+    @line_cell_magic
+    def colossal(self, line: str, cell: str | None = None) -> Any:
+        """%colossal start|stop|restart|status [-n N] [--backend B] [--launcher L]
+        %%colossal [--plan P] [--targets 0,1] [--output rank0|all] [--push a] [--pull b]
+        """
+        if cell is None:
+            return self._pool_command(line)
+        return self._run_cell(line, cell)
+
+    # ---- line: pool lifecycle ----------------------------------------------------------
+    @magic_arguments()
+    @_pool_args
+    def _pool_parser(self, line: str) -> None:
+        """%colossal start|stop|restart|status"""
+
+    def _pool_command(self, line: str) -> Any:
+        args = parse_argstring(self._pool_parser, line)
+        try:
+            return getattr(self, f"_cmd_{args.command}")(args)
+        except PoolError as e:
+            raise UsageError(str(e)) from None
+
+    def _cmd_start(self, args: Any) -> None:
+        if self.pool is not None and self.pool.started:
+            raise UsageError(f"{self.pool!r} is already running; use `%colossal restart`")
+        pool = Pool(
+            args.n, backend=args.backend, launcher=args.launcher,
+            controller_ip=args.controller_ip,
+            collective_timeout_s=args.timeout if args.timeout else 60.0,
+        )
+        pool.start()
+        self.pool, self._sent_plan = pool, None
+        print(f"colossal: {pool.world_size} ranks on {pool.backend} ready")
+
+    def _cmd_stop(self, args: Any) -> None:
+        if self.pool is None:
+            print("colossal: no pool is running")
+            return
+        self.pool.stop()
+        self.pool = None
+        print("colossal: pool stopped")
+
+    def _cmd_restart(self, args: Any) -> None:
+        if self.pool is None:
+            return self._cmd_start(args)
+        self.pool.restart()
+        self._sent_plan = None
+        print(f"colossal: {self.pool.world_size} ranks on {self.pool.backend} restarted")
+
+    def _cmd_status(self, args: Any) -> None:
+        if self.pool is None or not self.pool.started:
+            print("colossal: no pool is running; start one with `%colossal start`")
+            return
+        print(format_status(self.pool))
+
+    # ---- cell: run on ranks ------------------------------------------------------------
+    @magic_arguments()
+    @_exec_args
+    def _cell_parser(self, line: str) -> None:
+        """%%colossal [options]"""
+
+    def _targets(self, text: str | None) -> list[int]:
+        assert self.pool is not None
+        n = self.pool.world_size
+        if not text:
+            return list(range(n))
+        try:
+            ranks = sorted({int(t) for t in _names(text)})
+        except ValueError:
+            raise UsageError(f"--targets {text!r}: give ranks as integers, e.g. 0,1") from None
+        bad = [r for r in ranks if not 0 <= r < n]
+        if bad or not ranks:
+            raise UsageError(f"--targets {text!r}: ranks must be in 0..{n - 1}")
+        return ranks
+
+    def _run_cell(self, line: str, cell: str) -> None:
+        args = parse_argstring(self._cell_parser, line)
+        if self.pool is None or not self.pool.started:
+            raise UsageError("no pool is running: start one with `%colossal start` (e.g. -n 2)")
+        pool = self.pool
+        ranks = self._targets(args.targets)
+        try:
+            plan = Plan.parse(_unquote(args.plan)) if args.plan else self.default_plan
+            plan = plan.validate(pool.world_size)
+        except PlanError as e:
+            raise UsageError(f"--plan: {e}") from None
+        pushes = _names(args.push)
+        missing = [n for n in pushes if n not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"--push: not defined in the notebook: {', '.join(missing)}")
+        self._send_plan(plan, ranks)
+        if pushes:
+            pool.view(ranks).push({n: self.shell.user_ns[n] for n in pushes}, block=True)
+        printer = _StreamPrinter(ranks[0], args.output == "all")
+        outcome = run_cell(
+            pool, cell, ranks=ranks, stream=printer.stream, display=printer.display,
+            timeout_s=args.timeout,
+        )
+        result = outcome.execute_results.get(ranks[0])
+        if result:
+            publish_display_data(result.get("data", {}), result.get("metadata", {}))
+        pulls = _names(args.pull)
+        if pulls:
+            ar = pool.client[pool.engine_ids[ranks[0]]].apply_async(engine_calls.pull_names, pulls)
+            self.shell.user_ns.update(ar.get())
+
+    def _send_plan(self, plan: Plan, ranks: list[int]) -> None:
+        key = (plan, tuple(ranks), tuple(self.pool.engine_ids))  # type: ignore[union-attr]
+        if key != self._sent_plan:
+            self.pool.view(ranks).apply_sync(engine_calls.set_plan, plan)  # type: ignore
+            self._sent_plan = key
+
+
+def format_status(pool: Pool) -> str:
+    """A plain-text table of ``Pool.status()``."""
+    rows = pool.status()
+    header = f"{'rank':>4}  {'engine':>6}  {'host':<16} {'pid':>7}  {'device':<8} {'backend':<7} " \
+             f"{'state':<5} {'rss MiB':>8} {'dev MiB':>8}"
+    lines = [header]
+    for r in rows:
+        rss = r.memory.get("host_rss", 0) / 2**20
+        dev = r.memory.get("device_allocated", 0) / 2**20
+        lines.append(
+            f"{r.rank:>4}  {r.engine_id:>6}  {r.host[:16]:<16} {r.pid:>7}  {r.device:<8} "
+            f"{r.backend:<7} {r.state:<5} {rss:>8.0f} {dev:>8.0f}"
+        )
+    return "\n".join(lines)
+
+
+def active_pool(shell: Any = None) -> Pool | None:
+    """The pool driven by ``%colossal`` in this IPython session, if any."""
+    if shell is None:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    magics = shell.magics_manager.registry.get("ColossalMagics") if shell else None
+    return magics.pool if magics else None

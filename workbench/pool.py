@@ -1,0 +1,395 @@
+"""A pool of long-lived ranks on an ipyparallel cluster.
+
+Why a pool and not a launcher: notebooks need ranks that survive between cells, can be
+interrupted, and come back after a crash without restarting the kernel. ipyparallel gives
+long-lived, spawned engine processes (no fork-after-CUDA, no re-running the notebook); this
+module turns them into ranks of one torch.distributed world:
+
+- one engine per GPU (``CUDA_VISIBLE_DEVICES`` set per engine), or ``n`` CPU ranks on gloo;
+- ranks assigned by the pool, sorted by (host, device, engine id), because ipyparallel's engine
+  ids change on every restart;
+- the process group created on every rank at start, and re-created after a failed cell.
+
+Lifecycle methods are async-first with blocking twins: ``start_async``/``start`` and so on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ipyparallel as ipp
+
+from workbench import engine_calls
+from workbench._async import LoopThread
+from workbench.errors import PoolError
+from workbench.launchers import LauncherSpec, resolve_launcher
+
+log = logging.getLogger("workbench.pool")
+HEARTBEAT_ARG = "--HeartMonitor.period=500"
+
+
+@dataclass
+class RankStatus:
+    """One row of ``Pool.status()``."""
+
+    rank: int
+    engine_id: int
+    host: str
+    pid: int
+    device: str
+    backend: str
+    state: str  # "idle" | "busy" | "dead"
+    memory: dict[str, int] = field(default_factory=dict)
+
+
+def _visible_gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # torch missing or broken driver: CPU ranks still work
+        return 0
+
+
+@ipp.interactive
+def _engine_identity() -> dict[str, Any]:
+    import os
+    import socket
+
+    return {
+        "host": socket.gethostname(),
+        "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        "pid": os.getpid(),
+    }
+
+
+class Pool:
+    """Ranks on ipyparallel engines with torch.distributed initialised on each.
+
+    Parameters
+    ----------
+    n: number of ranks; default one per visible GPU, or 2 CPU ranks where there is none.
+    backend: "nccl" or "gloo"; default nccl on GPU, gloo on CPU.
+    launcher: ipyparallel engine launcher: "local" (default), "mpi", "slurm", "ssh", ...
+    controller_ip: address the controller binds to. Defaults to 127.0.0.1; remote launchers
+        require it explicitly, since binding beyond loopback exposes the controller.
+    collective_timeout_s: a collective that does not complete within this raises on the rank.
+    """
+
+    def __init__(
+        self,
+        n: int | None = None,
+        *,
+        backend: str | None = None,
+        launcher: str = "local",
+        controller_ip: str | None = None,
+        collective_timeout_s: float = 60.0,
+        start_timeout_s: float = 120.0,
+        **cluster_kwargs: Any,
+    ) -> None:
+        if n is not None and n < 1:
+            raise PoolError(f"n={n}: a pool needs at least one rank")
+        if backend not in (None, "gloo", "nccl"):
+            raise PoolError(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
+        self.launcher: LauncherSpec = resolve_launcher(launcher, controller_ip)
+        self.requested_n = n
+        self.requested_backend = backend
+        self.collective_timeout_s = collective_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.cluster_kwargs = cluster_kwargs
+        self.cluster: ipp.Cluster | None = None
+        self.client: ipp.Client | None = None
+        self.engine_ids: list[int] = []  # index = rank
+        self.ranks_info: list[dict[str, Any]] = []
+        self.gpus = 0
+        self._engine_sets: list[str] = []
+        self.needs_reset = False  # set after a failed cell: re-create the group before the next
+        self._loop = LoopThread()
+
+    # ---- properties -------------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self.client is not None and bool(self.engine_ids)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.engine_ids)
+
+    @property
+    def backend(self) -> str:
+        return self.ranks_info[0]["backend"] if self.ranks_info else (self.requested_backend or "")
+
+    def view(self, ranks: list[int] | None = None) -> ipp.DirectView:
+        """A non-blocking DirectView on the given ranks (all by default), in rank order."""
+        self._require_started()
+        targets = [self.engine_ids[r] for r in (range(self.world_size) if ranks is None else ranks)]
+        view = self.client[targets]
+        view.block = False
+        return view
+
+    def rank_of_engine(self, engine_id: int) -> int:
+        return self.engine_ids.index(engine_id)
+
+    # ---- lifecycle: async first -------------------------------------------------------
+    async def start_async(self) -> Pool:
+        if self.started:
+            return self
+        t0 = time.perf_counter()
+        self.gpus = 0 if self.requested_backend == "gloo" else _visible_gpu_count()
+        n = self.requested_n or (self.gpus if self.gpus else 2)
+        if self.requested_backend == "nccl" and not self.gpus:
+            raise PoolError("backend='nccl' needs GPUs but none is visible; use backend='gloo'")
+        kwargs = dict(self.cluster_kwargs)
+        # The hub admits an engine only after its first heartbeat; ipyparallel's 3 s period
+        # made every start and restart wait that long.
+        kwargs["controller_args"] = [HEARTBEAT_ARG, *kwargs.get("controller_args", [])]
+        self.cluster = ipp.Cluster(
+            n=n,
+            engines=self.launcher.engines,
+            controller_ip=self.launcher.controller_ip,
+            log_level=logging.WARNING,
+            **kwargs,
+        )
+        await self.cluster.start_controller()
+        await self._start_engines(n)  # engines boot while the client connects
+        self.client = await self.cluster.connect_client()
+        await self._bootstrap(n, set())
+        log.info("pool of %d ranks started in %.1f s", n, time.perf_counter() - t0)
+        return self
+
+    async def _start_engines(self, n: int) -> None:
+        assert self.cluster is not None
+        if self.gpus and self.launcher.engines == "local":
+            # One engine set per GPU so each engine sees exactly its own device.
+            for g in range(n):
+                env = {"CUDA_VISIBLE_DEVICES": str(g % self.gpus)}
+                self._engine_sets.append(await self.cluster.start_engines(1, environment=env))
+        else:
+            self._engine_sets.append(await self.cluster.start_engines(n))
+
+    async def _wait_for_new_engines(self, n: int, old: set[int]) -> list[int]:
+        assert self.client is not None
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            new = sorted(set(self.client.ids) - old)
+            if len(new) >= n:
+                return new[:n]
+            if time.monotonic() > deadline:
+                raise PoolError(
+                    f"only {len(new)} of {n} engines registered within {self.start_timeout_s} s;"
+                    f" see the engine logs in {self.cluster.profile_dir}/log"  # type: ignore
+                )
+            await asyncio.sleep(0.05)
+
+    async def _bootstrap(self, n: int, old: set[int]) -> None:
+        """Assign ranks to the new engines and create the process group on all of them."""
+        assert self.client is not None
+        ids = await self._wait_for_new_engines(n, old)
+        idents = await asyncio.gather(
+            *(asyncio.wrap_future(self.client[e].apply_async(_engine_identity)) for e in ids)
+        )
+        order = sorted(range(n), key=lambda i: (idents[i]["host"], idents[i]["gpu"], ids[i]))
+        self.engine_ids = [ids[i] for i in order]
+        hosts = [idents[i]["host"] for i in order]
+        local_ranks = [hosts[:r].count(h) for r, h in enumerate(hosts)]
+        self.ranks_info = await self._init_group(local_ranks)
+
+    async def _init_group(self, local_ranks: list[int]) -> list[dict[str, Any]]:
+        assert self.client is not None
+        n = len(self.engine_ids)
+        local = self.launcher.engines == "local"
+        addr, port = await asyncio.wrap_future(
+            self.client[self.engine_ids[0]].apply_async(engine_calls.rank_address, local)
+        )
+        backend = self.requested_backend
+        futures = [
+            self.client[eid].apply_async(
+                engine_calls.start_rank,
+                r, n, addr, port, backend, self.collective_timeout_s, local_ranks[r],
+            )
+            for r, eid in enumerate(self.engine_ids)
+        ]
+        try:
+            return list(
+                await asyncio.wait_for(
+                    asyncio.gather(*(asyncio.wrap_future(f) for f in futures)),
+                    timeout=self.start_timeout_s,
+                )
+            )
+        except Exception as e:
+            raise PoolError(f"initialising torch.distributed on {n} ranks failed: {e}") from e
+
+    async def reset_process_group_async(self) -> None:
+        """Re-create the process group on every rank (after an interrupt, timeout or error)."""
+        self._require_started()
+        assert self.client is not None
+        _, port = await asyncio.wrap_future(
+            self.client[self.engine_ids[0]].apply_async(
+                engine_calls.rank_address, self.launcher.engines == "local"
+            )
+        )
+        futures = [
+            asyncio.wrap_future(self.client[e].apply_async(engine_calls.recreate_group, port))
+            for e in self.engine_ids
+        ]
+        await asyncio.wait_for(
+            asyncio.gather(*futures), timeout=self.collective_timeout_s + self.start_timeout_s
+        )
+
+    async def restart_async(self) -> Pool:
+        """Replace every engine with a fresh one and re-create the process group."""
+        if self.cluster is None or self.client is None:
+            return await self.start_async()
+        n = self.world_size or self.requested_n or 2
+        old = set(self.client.ids) | set(self.engine_ids)
+        with _quiet(self.cluster):
+            for set_id in self._engine_sets:
+                try:
+                    await self.cluster.stop_engines(set_id)
+                except Exception as e:  # an engine set whose engines all died already
+                    log.debug("stopping engine set %s: %s", set_id, e)
+        self._engine_sets.clear()
+        self.engine_ids, self.ranks_info = [], []
+        await self._start_engines(n)
+        await self._bootstrap(n, old)
+        self.needs_reset = False
+        return self
+
+    async def stop_async(self) -> None:
+        if self.cluster is None:
+            return
+        if self.client is not None and self.engine_ids:
+            alive = [e for e in self.engine_ids if e in self.client.ids]
+            if alive:
+                ar = self.client[alive].apply_async(engine_calls.close_rank)
+                await asyncio.to_thread(ar.wait, 10)
+        try:
+            if self.client is not None:
+                self.client.close()
+            with _quiet(self.cluster):
+                await self.cluster.stop_cluster()
+        finally:
+            self.cluster, self.client = None, None
+            self.engine_ids, self.ranks_info, self._engine_sets = [], [], []
+
+    # ---- sync twins -------------------------------------------------------------------
+    def start(self) -> Pool:
+        return self._loop.run(self.start_async())
+
+    def stop(self) -> None:
+        self._loop.run(self.stop_async())
+
+    def restart(self) -> Pool:
+        return self._loop.run(self.restart_async())
+
+    def reset_process_group(self) -> None:
+        self._loop.run(self.reset_process_group_async())
+
+    def __enter__(self) -> Pool:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- status -----------------------------------------------------------------------
+    def dead_ranks(self) -> list[int]:
+        """Ranks whose engine has unregistered (died or was stopped)."""
+        if self.client is None:
+            return []
+        alive = set(self.client.ids)
+        return [r for r, e in enumerate(self.engine_ids) if e not in alive]
+
+    def exit_code_of(self, rank: int, wait_s: float = 2.0) -> int | None:
+        """Exit status of a dead rank's process, from the local launcher (None if unknown)."""
+        if self.cluster is None or not self.ranks_info:
+            return None
+        pid = self.ranks_info[rank]["pid"]
+        deadline = time.monotonic() + wait_s
+        while True:
+            for engine_set in self.cluster.engines.values():
+                stopped = getattr(engine_set, "stop_data", {}).get("engines", {})
+                for data in stopped.values():
+                    if data.get("pid") == pid and data.get("exit_code") is not None:
+                        return data["exit_code"]
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
+    def status(self, timeout_s: float = 5.0) -> list[RankStatus]:
+        """Per rank: host, pid, device, backend, memory in use, and idle, busy or dead."""
+        self._require_started()
+        assert self.client is not None
+        dead = set(self.dead_ranks())
+        live = [e for r, e in enumerate(self.engine_ids) if r not in dead]
+        queues = self.client.queue_status(targets=live, verbose=False) if live else {}
+        rows = []
+        for r, eid in enumerate(self.engine_ids):
+            info = dict(self.ranks_info[r])
+            if r in dead:
+                state = "dead"
+            else:
+                q = queues.get(eid, {})
+                state = "busy" if q.get("queue", 0) + q.get("tasks", 0) > 0 else "idle"
+            if state == "idle":
+                ar = self.client[eid].apply_async(engine_calls.describe_rank)
+                if ar.wait(timeout_s):
+                    info = ar.get()
+                    self.ranks_info[r] = info
+            elif state == "busy":
+                info["memory"] = _local_memory(info) or info.get("memory", {})
+            rows.append(
+                RankStatus(
+                    rank=r, engine_id=eid, host=info["host"], pid=info["pid"],
+                    device=info["device"], backend=info["backend"], state=state,
+                    memory=info.get("memory", {}),
+                )
+            )
+        return rows
+
+    def _require_started(self) -> None:
+        if not self.started:
+            raise PoolError(
+                "no pool is running: start one with `%colossal start` or Pool().start()"
+            )
+
+    def __repr__(self) -> str:
+        if not self.started:
+            return "<Pool: stopped>"
+        return f"<Pool: {self.world_size} ranks, backend {self.backend}>"
+
+
+@contextlib.contextmanager
+def _quiet(cluster: ipp.Cluster) -> Iterator[None]:
+    """Silence the cluster's logger while engines stop.
+
+    Engines under ipykernel 7 exit with status 1 when stopped, and ipyparallel then logs their
+    whole output as a warning into the cell; nothing in it is news to the user.
+    """
+    level = cluster.log.level
+    cluster.log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        cluster.log.setLevel(level)
+
+
+def _local_memory(info: dict[str, Any]) -> dict[str, int] | None:
+    """Host RSS of a rank on this machine, readable while the rank is busy."""
+    import socket
+
+    import psutil
+
+    if info.get("host") != socket.gethostname():
+        return None
+    try:
+        rss = psutil.Process(info["pid"]).memory_info().rss
+    except psutil.Error:
+        return None
+    return {**info.get("memory", {}), "host_rss": rss}
+
