@@ -1,7 +1,7 @@
 """Engine-side communication: device choice, process groups, counted and bounded collectives."""
 
 from kernels_runtime.comm.accelerator import Accelerator
-from kernels_runtime.comm.collectives import Collectives, CollectiveTimeoutError
+from kernels_runtime.comm.collectives import Collectives, CollectiveTimeoutError, PendingOp
 from kernels_runtime.comm.process_group import (
     DistributedState,
     destroy_distributed,
@@ -15,6 +15,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "Collectives",
     "CommStats",
+    "PendingOp",
     "DistributedState",
     "destroy_distributed",
     "find_free_port",

@@ -74,6 +74,26 @@ def _is_unsupported(err: Exception) -> bool:
     return isinstance(err, NotImplementedError) or "not support" in text
 
 
+class PendingOp:
+    """A collective in flight. ``wait`` blocks at most the timeout, then records the op."""
+
+    def __init__(self, stats: CommStats, op: str, group: str, nbytes: int, timeout_s: float,
+                 start: float, work: Work | None) -> None:
+        self.stats, self.op, self.group, self.nbytes = stats, op, group, nbytes
+        self.timeout_s, self.start, self.work = timeout_s, start, work
+
+    def wait(self) -> None:
+        if self.work is None:  # this rank is not a member of the group: nothing happened
+            return
+        try:
+            self.work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except RuntimeError as err:
+            self.work = None  # a pending gloo work pins the group and its store's port
+            raise CollectiveTimeoutError(self.op, self.group, self.timeout_s, str(err)) from err
+        self.work = None
+        self.stats.record(self.op, self.group, self.nbytes, time.perf_counter() - self.start)
+
+
 class Collectives:
     """torch.distributed collectives with per-(op, group) stats and a bounded wait."""
 
@@ -102,22 +122,47 @@ class Collectives:
         except (ValueError, RuntimeError):  # this rank is not a member of `group`
             return "non-member"
 
-    def _run(self, op: str, group: Group, nbytes: int, issue: Callable[[], Work | None]) -> None:
-        """Issue one async op, wait at most the timeout, record it. Issue-time errors (bad
-        shapes, unsupported ops) pass through unchanged: the group is still healthy then."""
+    def _issue(
+        self, op: str, group: Group, nbytes: int, issue: Callable[[], Work | None]
+    ) -> PendingOp:
+        """Issue one async op; the returned handle's ``wait`` is bounded and records stats.
+        Issue-time errors (bad shapes, unsupported ops) pass through unchanged: the group is
+        still healthy then."""
         name = self.group_name(group)
         group_timeout = _group_timeout_s(group)
         timeout_s = min(self.timeout_s, group_timeout or self.timeout_s)
         start = time.perf_counter()
-        work = issue()
-        if work is None:  # this rank is not a member of `group`: nothing happened
-            return
-        try:
-            work.wait(timeout=timedelta(seconds=timeout_s))
-        except RuntimeError as err:
-            del work  # a pending gloo work pins the group and its store's port
-            raise CollectiveTimeoutError(op, name, timeout_s, str(err)) from err
-        self.stats.record(op, name, nbytes, time.perf_counter() - start)
+        return PendingOp(self.stats, op, name, nbytes, timeout_s, start, issue())
+
+    def _run(self, op: str, group: Group, nbytes: int, issue: Callable[[], Work | None]) -> None:
+        self._issue(op, group, nbytes, issue).wait()
+
+    def all_reduce_async(
+        self, tensor: Tensor, op: ReduceOp = SUM, group: Group = None
+    ) -> PendingOp:
+        """Start an in-place all_reduce; ``.wait()`` on the handle before reading `tensor`.
+
+        Used to overlap gradient reduction with the rest of backward."""
+        return self._issue(
+            "all_reduce", group, _nbytes(tensor),
+            lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
+        )
+
+    def reduce_scatter_async(
+        self, output: Tensor, input: Tensor, op: ReduceOp = SUM, group: Group = None
+    ) -> PendingOp:
+        """Start a native reduce_scatter (no fallback); ``.wait()`` before reading `output`."""
+        return self._issue(
+            "reduce_scatter", group, _nbytes(input),
+            lambda: _reduce_scatter_single(output, input, op, group, async_op=True),
+        )
+
+    def all_gather_async(self, output: Tensor, input: Tensor, group: Group = None) -> PendingOp:
+        """Start an all_gather into `output`; ``.wait()`` before reading it."""
+        return self._issue(
+            "all_gather", group, _nbytes(input),
+            lambda: _all_gather_single(output, input, group=group, async_op=True),
+        )
 
     def all_reduce(self, tensor: Tensor, op: ReduceOp = SUM, group: Group = None) -> Tensor:
         """Reduce `tensor` across the group, in place; returns it."""
