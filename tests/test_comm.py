@@ -236,7 +236,8 @@ def test_accelerator_without_gpu_is_cpu_gloo() -> None:
     assert accelerator.device == torch.device("cpu") and not accelerator.pin_memory
     accelerator.synchronize()
     memory = accelerator.memory_in_use()
-    assert set(memory) == {"device_allocated", "device_reserved", "device_peak", "host_rss"}
+    assert set(memory) == {"device_allocated", "device_reserved", "device_peak", "host_rss",
+                           "host_peak"}
     assert all(isinstance(v, int) for v in memory.values()) and memory["host_rss"] > 0
     assert memory["device_allocated"] == memory["device_reserved"] == memory["device_peak"] == 0
 

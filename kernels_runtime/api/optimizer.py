@@ -188,7 +188,7 @@ class BoostedOptimizer:
         for group in self.inner.param_groups:
             state = self.inner.state.get(group["params"][0], {}) if group["params"] else {}
             groups.append({k: float(v) for k, v in state.items()
-                           if isinstance(v, torch.Tensor) and v.numel() == 1})
+                           if isinstance(v, torch.Tensor) and v.dim() == 0})
         return {"groups": groups, "scaler": self.scaler.state_dict(),
                 "steps_taken": self.steps_taken, "steps_skipped": self.steps_skipped}
 

@@ -8,6 +8,7 @@ object instead of `torch.cuda.is_available()` checks scattered through the runti
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import psutil
@@ -47,20 +48,17 @@ class Accelerator:
         return cls("cpu", torch.device("cpu"), "gloo")
 
     def memory_in_use(self) -> dict[str, int]:
-        """Bytes in use now: device allocator counters (0 on cpu) and this process's host RSS."""
+        """Bytes in use now: device allocator counters (0 on cpu), this process's host RSS and
+        its peak RSS since start (the kernel's high-water mark)."""
         host_rss = psutil.Process().memory_info().rss
+        host = {"host_rss": host_rss, "host_peak": max(host_rss, _peak_rss())}
         if self.kind != "cuda":
-            return {
-                "device_allocated": 0,
-                "device_reserved": 0,
-                "device_peak": 0,
-                "host_rss": host_rss,
-            }
+            return {"device_allocated": 0, "device_reserved": 0, "device_peak": 0, **host}
         return {
             "device_allocated": torch.cuda.memory_allocated(self.device),
             "device_reserved": torch.cuda.memory_reserved(self.device),
             "device_peak": torch.cuda.max_memory_allocated(self.device),
-            "host_rss": host_rss,
+            **host,
         }
 
     def synchronize(self) -> None:
@@ -72,3 +70,13 @@ class Accelerator:
     def pin_memory(self) -> bool:
         """Pinned host buffers only pay off when there is a device to copy them to."""
         return self.kind == "cuda"
+
+
+def _peak_rss() -> int:
+    """Peak resident set size of this process in bytes (0 where the platform has no getrusage)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB

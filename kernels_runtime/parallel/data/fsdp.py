@@ -106,7 +106,7 @@ class FsdpOptimizer(BoostedOptimizer):
         for seg, p in self._local_ranges():
             values = {"master": _local(p).detach().float().reshape(-1)}
             for k, v in self.inner.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and v.numel() > 1:
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
                     values[k] = _local(v).reshape(-1)
             out.append((seg, values))
         return out
@@ -121,7 +121,7 @@ class FsdpOptimizer(BoostedOptimizer):
                 values = fetch(seg)
                 _local(p).reshape(-1).copy_(values["master"])
                 for k, v in self.inner.state[p].items():
-                    if isinstance(v, torch.Tensor) and v.numel() > 1:
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
                         _local(v).reshape(-1).copy_(values[k])
 
     def memory_breakdown(self) -> dict[str, int]:

@@ -224,7 +224,7 @@ class ZeroOptimizer(BoostedOptimizer):
                 lo, hi = flat - base, flat - base + seg.numel
                 values = {"master": master[lo:hi].float()}
                 values.update({k: v[lo:hi] for k, v in state.items()
-                               if isinstance(v, torch.Tensor) and v.numel() == master.numel()})
+                               if isinstance(v, torch.Tensor) and v.shape == master.shape})
                 out.append((seg, values))
         return out
 
@@ -242,7 +242,7 @@ class ZeroOptimizer(BoostedOptimizer):
                     values = fetch(seg)
                     master[lo:hi].copy_(values["master"])
                     for k, v in state.items():
-                        if isinstance(v, torch.Tensor) and v.numel() == master.numel():
+                        if isinstance(v, torch.Tensor) and v.shape == master.shape:
                             v[lo:hi].copy_(values[k])
             self._publish_params()
 
