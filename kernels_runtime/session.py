@@ -11,7 +11,11 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from kernels_runtime.comm import (
     Collectives,
@@ -55,25 +59,38 @@ class RankSession:
         backend: str | None = None,
         timeout_s: float = 60.0,
         local_rank: int | None = None,
+        local_world_size: int = 1,
     ) -> RankSession:
-        """Join the process group; blocks until every rank has joined (or ``timeout_s``)."""
+        """Join the process group; blocks until every rank has joined (or ``timeout_s``).
+
+        CPU ranks on one host share its cores: unless OMP_NUM_THREADS says otherwise, each
+        gets cores / ranks-on-this-host intra-op threads (torchrun does the same), because
+        oversubscribed ranks stall each other at every collective."""
         state = init_distributed(
             rank, world_size, master_addr, master_port, backend, timeout_s, local_rank
         )
+        _share_cores(state, local_world_size)
         return cls(state=state, comm=Collectives(CommStats(), timeout_s=timeout_s))
 
     @classmethod
     def from_env(cls, timeout_s: float = 60.0) -> RankSession:
-        """Build from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+        """Build from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+
+        torchrun's agent already serves the rendezvous store on MASTER_PORT, so ranks join it
+        as clients instead of starting a second store there."""
         env = os.environ
-        return cls.start(
-            int(env["RANK"]),
-            int(env["WORLD_SIZE"]),
-            env.get("MASTER_ADDR", "127.0.0.1"),
-            int(env.get("MASTER_PORT", "29500")),
-            timeout_s=timeout_s,
-            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
-        )
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500"))
+        store = None
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            store = dist.TCPStore(addr, port, world, False, timeout=timedelta(seconds=timeout_s))
+            store = dist.PrefixStore(f"workbench/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}/",
+                                     store)
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        state = init_distributed(rank, world, addr, port, None, timeout_s,
+                                 int(env.get("LOCAL_RANK", rank)), store=store)
+        _share_cores(state, local_world)
+        return cls(state=state, comm=Collectives(CommStats(), timeout_s=timeout_s))
 
     def recreate_group(self, master_port: int) -> None:
         """Re-create the process group on a new port.
@@ -104,6 +121,11 @@ class RankSession:
             "memory": acc.memory_in_use(),
             "comm": self.comm.stats.totals(),
         }
+
+
+def _share_cores(state: DistributedState, local_world_size: int) -> None:
+    if state.accelerator.kind == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))
 
 
 def rendezvous_address(local: bool) -> tuple[str, int]:

@@ -162,3 +162,20 @@ def test_model_without_policy_trains_under_data_parallelism():
     for zero in (0, 2, 3):
         mean = [(a + b) / 2 for a, b in zip(per_rank[0][zero], per_rank[1][zero])]
         assert max(abs(a - b) / abs(b) for a, b in zip(mean, reference)) < 1e-5, zero
+
+
+def _overlap(rank: int, world: int) -> dict:
+    from kernels_runtime.api import parallelize, train_step
+
+    model = dm.make_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=dm.LR)
+    model, opt = parallelize(model, opt, f"dp={world} zero=1", bucket_mb=0.01)
+    train_step(model, opt, dm.local_microbatches(0, rank, world, 1), loss_fn=dm.hf_loss)
+    return {"buckets": len(opt.buckets), **opt.overlap}
+
+
+def test_gradient_reduction_starts_during_backward():
+    """With several buckets, all but the last-ready ones are reduced while backward runs."""
+    stats = run_ranks(_overlap, 2)[0]
+    assert stats["buckets"] >= 4
+    assert stats["during_backward"] >= stats["buckets"] - 1, stats

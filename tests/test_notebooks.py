@@ -21,8 +21,23 @@ def test_quickstart_runs_and_shows_rank0_output():
     assert "rank 1 of 2" not in text
     assert "[rank 1] hello from rank 1" in text
     assert "step   0  loss" in text and "loss went from" in text  # pulled back and checked
+    html = [o["data"]["text/html"] for c in nb.cells for o in c.get("outputs", [])
+            if o["output_type"] == "display_data" and "text/html" in o.get("data", {})]
+    assert len(html) == 1 and "<td>0</td>" in html[0]  # rank 0's table only
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o["output_type"] == "error"]
     assert not errors
+
+
+def test_pretrain_gpt_trains_checkpoints_and_reports(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    echo = io.StringIO()
+    run_notebook(NOTEBOOKS / "01_pretrain_gpt.ipynb", timeout_s=600, echo=echo,
+                 workdir=tmp_path)
+    text = echo.getvalue()
+    assert "plan: dp=2 zero_stage=2 precision=bf16" in text
+    assert "loss" in text and "tokens/s over 2 ranks" in text
+    assert "[rank 0] peak memory" in text and "[rank 1] peak memory" in text
+    assert list((tmp_path / "checkpoints" / "gpt2-demo").glob("step-*/meta.json"))
 
 
 def test_committed_notebooks_have_no_outputs():

@@ -9,7 +9,8 @@ from pathlib import Path
 from workbench import __version__
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEMO_NOTEBOOK = REPO_ROOT / "notebooks" / "00_quickstart.ipynb"
+DEMO_NOTEBOOKS = [REPO_ROOT / "notebooks" / name
+                  for name in ("00_quickstart.ipynb", "01_pretrain_gpt.ipynb")]
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -22,11 +23,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    if not DEMO_NOTEBOOK.exists():
-        print(f"demo notebook not found at {DEMO_NOTEBOOK}; run from a source checkout",
+    missing = [str(p) for p in DEMO_NOTEBOOKS if not p.exists()]
+    if missing:
+        print(f"demo notebooks not found: {', '.join(missing)}; run from a source checkout",
               file=sys.stderr)
         return 2
-    args.notebooks, args.save = [DEMO_NOTEBOOK], None
+    args.notebooks, args.save = DEMO_NOTEBOOKS, None
     return _cmd_run(args)
 
 
@@ -34,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
     parser.add_argument("--version", action="version", version=f"colossal-workbench {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the quickstart notebook headless on a CPU pool")
+    demo = sub.add_parser(
+        "demo", help="run the quickstart and GPT-2 pretraining notebooks on a 2-rank pool")
     demo.add_argument("--timeout", type=int, default=900, help="seconds per cell")
     demo.set_defaults(func=_cmd_demo)
     run = sub.add_parser("run", help="execute notebooks headless, printing their output")

@@ -28,6 +28,7 @@ def start_rank(
     backend: str | None,
     timeout_s: float,
     local_rank: int,
+    local_world_size: int,
 ) -> dict[str, Any]:
     from kernels_runtime.session import RankSession
 
@@ -35,7 +36,8 @@ def start_rank(
     if old is not None:
         old.close()
     session = RankSession.start(
-        rank, world_size, master_addr, master_port, backend, timeout_s, local_rank
+        rank, world_size, master_addr, master_port, backend, timeout_s, local_rank,
+        local_world_size,
     )
     globals().update(
         session=session, rank=rank, world_size=world_size, comm=session.comm, plan=None

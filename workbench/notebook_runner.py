@@ -34,8 +34,10 @@ def run_notebook(
     echo: TextIO | None = sys.stdout,
     save_to: str | os.PathLike[str] | None = None,
     kernel_name: str = "python3",
+    workdir: str | os.PathLike[str] | None = None,
 ) -> nbformat.NotebookNode:
-    """Run every cell of ``path`` in a fresh kernel; raise on the first error."""
+    """Run every cell of ``path`` in a fresh kernel (started in ``workdir``, default: the
+    notebook's folder); raise on the first error."""
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")
@@ -44,7 +46,7 @@ def run_notebook(
         timeout=timeout_s,
         kernel_name=kernel_name,
         store_widget_state=False,
-        resources={"metadata": {"path": str(path.parent.resolve())}},
+        resources={"metadata": {"path": str(Path(workdir or path.parent).resolve())}},
     )
     if echo is not None:
         def on_cell_executed(cell: Any, cell_index: int, **_: Any) -> None:

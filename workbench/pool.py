@@ -198,9 +198,12 @@ class Pool:
         self.engine_ids = [ids[i] for i in order]
         hosts = [idents[i]["host"] for i in order]
         local_ranks = [hosts[:r].count(h) for r, h in enumerate(hosts)]
-        self.ranks_info = await self._init_group(local_ranks)
+        local_sizes = [hosts.count(h) for h in hosts]
+        self.ranks_info = await self._init_group(local_ranks, local_sizes)
 
-    async def _init_group(self, local_ranks: list[int]) -> list[dict[str, Any]]:
+    async def _init_group(
+        self, local_ranks: list[int], local_sizes: list[int]
+    ) -> list[dict[str, Any]]:
         assert self.client is not None
         n = len(self.engine_ids)
         local = self.launcher.engines == "local"
@@ -212,6 +215,7 @@ class Pool:
             self.client[eid].apply_async(
                 engine_calls.start_rank,
                 r, n, addr, port, backend, self.collective_timeout_s, local_ranks[r],
+                local_sizes[r],
             )
             for r, eid in enumerate(self.engine_ids)
         ]

@@ -50,8 +50,13 @@ def init_distributed(
     backend: str | None = None,
     timeout_s: float = 60.0,
     local_rank: int | None = None,
+    *,
+    store: dist.Store | None = None,
 ) -> DistributedState:
     """Join (or re-join) the default process group; every rank calls this with the same port.
+
+    ``store`` replaces the TCPStore this function would create: under torchrun the agent
+    already serves one at MASTER_ADDR:MASTER_PORT (see ``RankSession.from_env``).
 
     `backend=None` takes the accelerator's backend (nccl with a GPU, gloo without). `timeout_s`
     bounds the rendezvous and becomes the group's own collective timeout; keep it equal to the
@@ -66,7 +71,8 @@ def init_distributed(
     backend = backend or accelerator.backend
     destroy_distributed()
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout)
     extra: dict[str, torch.device] = {}
     if accelerator.kind == "cuda":
         torch.cuda.set_device(accelerator.device)

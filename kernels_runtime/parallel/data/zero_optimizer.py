@@ -89,6 +89,8 @@ class ZeroOptimizer(BoostedOptimizer):
         self._next_launch = 0
         self._pending: list[zero_comms.Finish] = []
         self._in_backward = False
+        # how many bucket reductions started while backward was still running vs at its end
+        self.overlap = {"during_backward": 0, "at_end": 0}
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -132,6 +134,7 @@ class ZeroOptimizer(BoostedOptimizer):
             if self._ready[b.index] < len(b.params):
                 return
             self._launch(b)
+            self.overlap["during_backward"] += 1
 
     def _launch(self, b: Bucket) -> None:
         comm, group = self.ctx.comm, self.ctx.dp_group
@@ -154,6 +157,7 @@ class ZeroOptimizer(BoostedOptimizer):
         if self._syncing():
             while self._next_launch < len(self.buckets):
                 self._launch(self.buckets[self._next_launch])
+                self.overlap["at_end"] += 1
             self._drain()
         self._ready = [0] * len(self.buckets)
 
