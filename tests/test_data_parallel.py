@@ -171,7 +171,14 @@ def _overlap(rank: int, world: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=dm.LR)
     model, opt = parallelize(model, opt, f"dp={world} zero=1", bucket_mb=0.01)
     train_step(model, opt, dm.local_microbatches(0, rank, world, 1), loss_fn=dm.hf_loss)
-    return {"buckets": len(opt.buckets), **opt.overlap}
+    stats = {"buckets": len(opt.buckets), **opt.overlap}
+    batch = dm.local_microbatches(1, rank, world, 1)[0]
+    opt.backward(dm.hf_loss(model, batch))
+    try:  # a second synchronised backward in one step would double-count at zero=1
+        opt.backward(dm.hf_loss(model, batch))
+    except RuntimeError as err:
+        stats["second_backward"] = str(err)
+    return stats
 
 
 def test_gradient_reduction_starts_during_backward():
@@ -179,3 +186,4 @@ def test_gradient_reduction_starts_during_backward():
     stats = run_ranks(_overlap, 2)[0]
     assert stats["buckets"] >= 4
     assert stats["during_backward"] >= stats["buckets"] - 1, stats
+    assert "no_sync" in stats.get("second_backward", ""), stats

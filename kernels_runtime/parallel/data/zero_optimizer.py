@@ -77,7 +77,7 @@ class ZeroOptimizer(BoostedOptimizer):
         if self.dtype != torch.float32:
             for b in self.buckets:
                 _cast_bucket(b, self.dtype)
-            model.to(self.dtype)
+            _cast_other_params(model, self.dtype)
         self._grad_store = [self._make_grad_store(b) for b in self.buckets]
         self.inner = rebuild_optimizer(
             optimizer, [[m for b, m in zip(self.buckets, self.masters) if b.group_index == g]
@@ -89,6 +89,7 @@ class ZeroOptimizer(BoostedOptimizer):
         self._next_launch = 0
         self._pending: list[zero_comms.Finish] = []
         self._in_backward = False
+        self._synced_since_step = False
         # how many bucket reductions started while backward was still running vs at its end
         self.overlap = {"during_backward": 0, "at_end": 0}
         for b in self.buckets:
@@ -154,6 +155,12 @@ class ZeroOptimizer(BoostedOptimizer):
 
     def _end_of_backward(self) -> None:
         self._in_backward = False
+        if self.stage == 1 and self.sync_grads:
+            if self._synced_since_step:
+                raise RuntimeError(
+                    "zero=1 reduces gradients once per step: run every backward but the last of "
+                    "a step inside `with optimizer.no_sync():` (train_step does this)")
+            self._synced_since_step = True
         if self._syncing():
             while self._next_launch < len(self.buckets):
                 self._launch(self.buckets[self._next_launch])
@@ -196,6 +203,7 @@ class ZeroOptimizer(BoostedOptimizer):
             wait()
 
     def _zero_grads(self) -> None:
+        self._synced_since_step = False
         for b, store in zip(self.buckets, self._grad_store):
             store.zero_()
             for p, off in zip(b.params, b.offsets):
@@ -257,6 +265,14 @@ class ZeroOptimizer(BoostedOptimizer):
                    if m.untyped_storage().data_ptr() != b.flat_param.untyped_storage().data_ptr()]
         states = tensor_bytes(optimizer_state_tensors(self.inner) + masters)
         return {"params": params, "grads": grads, "optimizer": states}
+
+
+def _cast_other_params(model: nn.Module, dtype: torch.dtype) -> None:
+    """Parameters outside the buckets (frozen ones) follow the compute dtype; buffers such as
+    rotary frequencies stay in fp32, as under FSDP2's mixed precision."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
 
 
 def _cast_bucket(b: Bucket, dtype: torch.dtype) -> None:
