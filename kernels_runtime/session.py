@@ -1,9 +1,9 @@
 """What one rank knows about itself while a pool drives it.
 
 A pool of long-lived ranks outlives any single cell, so the per-rank state (the process group,
-the instrumented collectives, the plan of the current cell) lives in one ``RankSession`` object
-held in the engine's namespace, never in module globals. The same object can be built by a plain
-``torchrun`` script through :meth:`RankSession.from_env`.
+the instrumented collectives, the plan of the current cell, the telemetry) lives in one
+``RankSession`` object held in the engine's namespace, never in module globals. The same object
+can be built by a plain ``torchrun`` script through :meth:`RankSession.from_env`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from kernels_runtime.comm import (
     find_free_port,
     init_distributed,
 )
+from kernels_runtime.telemetry import Telemetry
 
 
 @dataclass
@@ -48,6 +49,18 @@ class RankSession:
     @property
     def device(self):
         return self.state.accelerator.device
+
+    @property
+    def telemetry(self) -> Telemetry:
+        """This rank's one ``Telemetry``, carried by ``comm`` so that every ``ParallelContext``
+        built from it records into it. Pool engines publish it to the notebook; under torchrun
+        it only counts (``telemetry.snapshot()``)."""
+        return self.comm.telemetry
+
+    def __post_init__(self) -> None:
+        acc = self.state.accelerator
+        sync = acc.synchronize if acc.kind == "cuda" else None  # CPU work is never queued
+        self.comm.telemetry.configure(memory=acc.memory_in_use, synchronize=sync)
 
     @classmethod
     def start(

@@ -134,6 +134,8 @@ def test_stats_count_calls_and_bytes_per_op_and_group(
     counted = {(op, g): (c["calls"], c["bytes"]) for op, gs in stats.items() for g, c in gs.items()}
     assert counted == expected
     assert all(c["seconds"] > 0 for gs in stats.values() for c in gs.values())
+    # blocked time (the step split's communication) is part of the op's time
+    assert all(0 < c["blocked"] <= c["seconds"] for gs in stats.values() for c in gs.values())
 
 
 def _skip_then_recreate(rank: int, world_size: int, ports: list[int], events: list) -> dict:
@@ -220,13 +222,16 @@ def test_stats_are_cumulative_and_thread_safe() -> None:
         thread.start()
     for thread in threads:
         thread.join()
-    stats.record("barrier", "world", 0, 0.5)
+    stats.record("barrier", "world", 0, 0.5, blocked=0.5)
     assert stats.snapshot()["all_reduce"]["dp"] == pytest.approx(
-        {"calls": 4000, "bytes": 32000, "seconds": 4.0}
+        {"calls": 4000, "bytes": 32000, "seconds": 4.0, "blocked": 0.0}
     )
-    assert stats.totals() == pytest.approx({"calls": 4001, "bytes": 32000, "seconds": 4.5})
+    assert stats.totals() == pytest.approx(
+        {"calls": 4001, "bytes": 32000, "seconds": 4.5, "blocked": 0.5})
+    assert stats.blocked_seconds() == 0.5
     stats.reset()
     assert stats.snapshot() == {} and stats.totals()["calls"] == 0
+    assert stats.blocked_seconds() == 0.0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the GPU-less behaviour")

@@ -9,6 +9,8 @@ import pytest
 
 from workbench.notebook_runner import run_notebook
 
+from helpers.reports import report_traces
+
 pytestmark = pytest.mark.engines
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -38,6 +40,14 @@ def test_pretrain_gpt_trains_checkpoints_and_reports(tmp_path, monkeypatch):
     assert "loss" in text and "tokens/s over 2 ranks" in text
     assert "[rank 0] peak memory" in text and "[rank 1] peak memory" in text
     assert list((tmp_path / "checkpoints" / "gpt2-demo").glob("step-*/meta.json"))
+    # the training run's dashboard, written as a standalone report holding its plot data
+    assert "colossal dashboard: ranks [0, 1]" in text  # the live figure was shown
+    traces = report_traces(tmp_path / "reports" / "pretrain_dashboard.html")
+    assert traces["comm: dp"][1][-1] > 0
+    assert all(y > 0 for y in traces["memory: host"][1]) and len(traces["memory: host"][1]) == 2
+    for rank in (0, 1):
+        tokens_per_s = traces[f"tokens/s: rank {rank}"][1]
+        assert len(tokens_per_s) >= 2 and tokens_per_s[-1] > 0
 
 
 def test_committed_notebooks_have_no_outputs():

@@ -8,10 +8,15 @@ __version__ = "0.1.0"
 
 from typing import Any
 
+# The function deliberately shadows the ``workbench.dashboard`` subpackage as an attribute of
+# ``workbench``: users call ``workbench.dashboard()``, while imports such as
+# ``from workbench.dashboard import LiveDashboard`` still resolve through sys.modules.
+from workbench.dashboard import dashboard
 from workbench.errors import PoolError, RankFailureError
 from workbench.pool import Pool, RankStatus
 
-__all__ = ["Pool", "PoolError", "RankFailureError", "RankStatus", "load_ipython_extension"]
+__all__ = ["Pool", "PoolError", "RankFailureError", "RankStatus", "dashboard",
+           "load_ipython_extension"]
 
 
 def load_ipython_extension(ip: Any) -> None:

@@ -3,6 +3,12 @@
 They are marked ``@interactive`` so that, on the engine, their globals are the engine's user
 namespace: that is how ``rank``, ``world_size``, ``comm`` and ``session`` become plain names in
 every ``%%colossal`` cell. All real work is delegated to ``kernels_runtime.session``.
+
+Telemetry reaches the notebook through ipyparallel's datapub: ``start_rank`` installs
+``publish_data`` as the session telemetry's publisher (from the engine's main thread, which runs
+the cells, so messages carry the running cell's parent header) and two shell hooks: before each
+cell the step clock pauses (idle time between cells belongs to no step), after each cell the
+telemetry flushes, so the notebook always receives a run's final figures.
 """
 
 from __future__ import annotations
@@ -10,6 +16,44 @@ from __future__ import annotations
 from typing import Any
 
 from ipyparallel import interactive
+
+from kernels_runtime.telemetry import TELEMETRY_KEY
+
+
+def publish_telemetry(snapshot: dict[str, Any]) -> None:
+    """The engine-side publisher: one datapub key holding the whole, consistent snapshot."""
+    from ipyparallel.datapub import publish_data
+
+    publish_data({TELEMETRY_KEY: snapshot})
+
+
+class TelemetryCellHooks:
+    """``pre_run_cell``: pause the step clock; ``post_run_cell``: flush the telemetry.
+
+    Looks the session up in the namespace at each call, so it survives ``start_rank`` replacing
+    the session; registered once per engine shell."""
+
+    def __init__(self, namespace: dict[str, Any]) -> None:
+        self.namespace = namespace
+
+    def pre_run_cell(self, info: Any) -> None:
+        session = self.namespace.get("session")
+        if session is not None:
+            session.telemetry.pause()
+
+    def post_run_cell(self, result: Any) -> None:
+        session = self.namespace.get("session")
+        if session is not None:
+            session.telemetry.flush()
+
+    @classmethod
+    def install(cls, shell: Any, namespace: dict[str, Any]) -> None:
+        callbacks = shell.events.callbacks["post_run_cell"]
+        if any(isinstance(getattr(cb, "__self__", None), cls) for cb in callbacks):
+            return
+        hooks = cls(namespace)
+        shell.events.register("pre_run_cell", hooks.pre_run_cell)
+        shell.events.register("post_run_cell", hooks.post_run_cell)
 
 
 @interactive
@@ -30,7 +74,10 @@ def start_rank(
     local_rank: int,
     local_world_size: int,
 ) -> dict[str, Any]:
+    from IPython import get_ipython
+
     from kernels_runtime.session import RankSession
+    from workbench.engine_calls import TelemetryCellHooks, publish_telemetry  # our globals
 
     old = globals().get("session")
     if old is not None:
@@ -42,6 +89,8 @@ def start_rank(
     globals().update(
         session=session, rank=rank, world_size=world_size, comm=session.comm, plan=None
     )
+    session.telemetry.set_publisher(publish_telemetry)
+    TelemetryCellHooks.install(get_ipython(), globals())
     return session.describe()
 
 

@@ -11,6 +11,11 @@ Failure policy, chosen so the notebook never hangs:
 - the kernel's interrupt: SIGINT to every busy rank, then KeyboardInterrupt in the notebook;
 - after any failure the process group is marked for re-creation before the next cell, since an
   interrupted or timed-out collective leaves gloo and nccl groups unusable.
+
+Live data: what ranks publish with datapub (``AsyncResult.data``, the latest value per key) is
+handed to an optional ``data_sink`` from the same loop, at most every ``data_interval_s``, and
+once more with ``final=True`` when the cell has ended, whatever the outcome. The dashboard is
+such a sink; a sink that raises is dropped with a note, never failing the cell.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from workbench.pool import Pool
 
 StreamSink = Callable[[int, str, str], None]  # (rank, "stdout"|"stderr", text)
 DisplaySink = Callable[[int, dict[str, Any]], None]  # (rank, display_data content)
+DataSink = Callable[[dict[int, dict[str, Any]], bool], None]  # ({rank: ar.data}, final)
 
 POLL_S = 0.02
 
@@ -61,6 +67,28 @@ class _OutputForwarder:
             sent["outputs"] = len(outputs)
 
 
+class _DataForwarder:
+    """Hand each rank's latest published data to ``sink``, rate-limited."""
+
+    def __init__(self, ranks: list[int], metadata: list[dict], sink: DataSink | None,
+                 interval_s: float, stream: StreamSink) -> None:
+        self.ranks, self.metadata, self.sink = ranks, metadata, sink
+        self.interval_s, self.stream = interval_s, stream
+        self.last = float("-inf")
+
+    def poll(self, now: float, final: bool = False) -> None:
+        if self.sink is None or (not final and now - self.last < self.interval_s):
+            return
+        self.last = now
+        data = {r: dict(m.get("data") or {}) for r, m in zip(self.ranks, self.metadata)}
+        try:
+            self.sink(data, final)
+        except Exception as err:  # live plots are a view; the cell's outcome must not depend
+            self.sink = None
+            self.stream(self.ranks[0], "stderr",
+                        f"[workbench] live data display stopped: {type(err).__name__}: {err}\n")
+
+
 def _dead_rank_error(pool: Pool, rank: int) -> RankError:
     how = describe_exit(pool.exit_code_of(rank))
     return RankError(rank, "died", "RankDied", f"rank {rank} process died ({how})")
@@ -93,8 +121,11 @@ def run_cell(
     timeout_s: float | None = None,
     failure_grace_s: float = 1.0,
     interrupt_wait_s: float = 2.0,
+    data_sink: DataSink | None = None,
+    data_interval_s: float = 0.25,
 ) -> CellOutcome:
-    """Execute ``code`` on ``ranks`` (all by default) and wait, forwarding output live."""
+    """Execute ``code`` on ``ranks`` (all by default) and wait, forwarding output live and,
+    to ``data_sink``, the ranks' published data."""
     ranks = list(range(pool.world_size)) if ranks is None else ranks
     check_ranks_alive(pool, ranks)
     if pool.needs_reset:
@@ -105,11 +136,13 @@ def run_cell(
     md = ar.metadata
     md = [md] if isinstance(md, dict) else md
     out = _OutputForwarder(ranks, md, stream, display)
+    data = _DataForwarder(ranks, md, data_sink, data_interval_s, stream)
     first_failure: float | None = None
     try:
         while not ar.wait(POLL_S):
             out.flush()
             now = time.perf_counter()
+            data.poll(now)
             if first_failure is None and any(m.get("status") == "error" for m in md):
                 first_failure = now
             if first_failure is not None and now - first_failure > failure_grace_s:
@@ -119,6 +152,7 @@ def run_cell(
                 _interrupt(pool, ranks, ar)
                 ar.wait(interrupt_wait_s)
                 out.flush()
+                data.poll(time.perf_counter(), final=True)
                 pool.needs_reset = True
                 raise PoolError(
                     f"cell did not finish within --timeout {timeout_s:g} s; every rank was "
@@ -128,6 +162,7 @@ def run_cell(
         _interrupt(pool, ranks, ar)
         ar.wait(interrupt_wait_s)
         out.flush()
+        data.poll(time.perf_counter(), final=True)
         pool.needs_reset = True
         busy = [r for r, p in zip(ranks, ar.split()) if not p.done()]
         if busy:
@@ -136,6 +171,7 @@ def run_cell(
         raise
     ar.wait_for_output(1.0)
     out.flush()
+    data.poll(time.perf_counter(), final=True)
     if not ar.successful():
         failures = [_rank_error(pool, r, p.exception()) for r, p in zip(ranks, ar.split())
                     if p.exception() is not None]

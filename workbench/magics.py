@@ -4,6 +4,10 @@ Options are declared once per group and composed with decorators, so the line an
 share their definitions (ipyparallel's ``%px`` does the same). Argument mistakes become
 IPython ``UsageError``s with argparse's message; failures on ranks become one
 ``RankFailureError`` naming every failing rank.
+
+Every cell's published telemetry is collected by a ``LiveDashboard`` (shown once a cell has
+run about 2 s and published something, or with ``--dashboard``; never with
+``--no-dashboard``) and kept as ``last_run`` for ``workbench.dashboard()``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from IPython.display import publish_display_data
 
 from kernels_runtime.mesh.plan import Plan, PlanError
 from workbench import engine_calls
+from workbench.dashboard import LiveDashboard, RunHistory, preload
 from workbench.errors import PoolError
 from workbench.execution import run_cell
 from workbench.pool import Pool
@@ -56,6 +61,11 @@ def _exec_args(f):
                  help="whose output to show: the first target only, or every rank prefixed"),
         argument("--push", default="", help="notebook variables to send to every rank: a,b"),
         argument("--pull", default="", help="variables of the first target to bring back: c"),
+        argument("--dashboard", dest="dashboard", action="store_const", const="on",
+                 default="auto", help="show the live dashboard from the start (by default it "
+                 "appears once a cell has run ~2 s and published telemetry)"),
+        argument("--no-dashboard", dest="dashboard", action="store_const", const="off",
+                 help="do not show the live dashboard (telemetry is still kept)"),
     ]):
         f = arg(f)
     return _timeout_arg(f)
@@ -110,11 +120,13 @@ class ColossalMagics(Magics):
         self.pool: Pool | None = None
         self.default_plan: Plan = Plan()
         self._sent_plan: tuple[Any, ...] | None = None
+        self.last_run: RunHistory | None = None  # telemetry of the last %%colossal cell
 
     @line_cell_magic
     def colossal(self, line: str, cell: str | None = None) -> Any:
         """%colossal start|stop|restart|status [-n N] [--backend B] [--launcher L]
         %%colossal [--plan P] [--targets 0,1] [--output rank0|all] [--push a] [--pull b]
+                   [--dashboard | --no-dashboard] [--timeout S]
         """
         if cell is None:
             return self._pool_command(line)
@@ -141,6 +153,7 @@ class ColossalMagics(Magics):
             controller_ip=args.controller_ip,
             collective_timeout_s=args.timeout if args.timeout else 60.0,
         )
+        preload()  # the dashboard's imports take seconds: overlap them with the engines' start
         pool.start()
         self.pool, self._sent_plan = pool, None
         print(f"colossal: {pool.world_size} ranks on {pool.backend} ready")
@@ -205,9 +218,12 @@ class ColossalMagics(Magics):
         if pushes:
             pool.view(ranks).push({n: self.shell.user_ns[n] for n in pushes}, block=True)
         printer = _StreamPrinter(ranks[0], args.output == "all")
+        live = LiveDashboard(ranks, mode=args.dashboard, label=f"%%colossal {line}".strip())
+        self.last_run = live.history
+        live.start()
         outcome = run_cell(
             pool, cell, ranks=ranks, stream=printer.stream, display=printer.display,
-            timeout_s=args.timeout,
+            timeout_s=args.timeout, data_sink=live,
         )
         result = outcome.execute_results.get(ranks[0])
         if result:
@@ -240,11 +256,16 @@ def format_status(pool: Pool) -> str:
     return "\n".join(lines)
 
 
-def active_pool(shell: Any = None) -> Pool | None:
-    """The pool driven by ``%colossal`` in this IPython session, if any."""
+def active_magics(shell: Any = None) -> ColossalMagics | None:
+    """The ``%colossal`` magics registered in this IPython session, if any."""
     if shell is None:
         from IPython import get_ipython
 
         shell = get_ipython()
-    magics = shell.magics_manager.registry.get("ColossalMagics") if shell else None
+    return shell.magics_manager.registry.get("ColossalMagics") if shell else None
+
+
+def active_pool(shell: Any = None) -> Pool | None:
+    """The pool driven by ``%colossal`` in this IPython session, if any."""
+    magics = active_magics(shell)
     return magics.pool if magics else None

@@ -1,4 +1,10 @@
-"""``train_step``: micro-batches, gradient accumulation and the optimizer step in one call."""
+"""``train_step``: micro-batches, gradient accumulation and the optimizer step in one call.
+
+Every step is recorded in the telemetry of the optimizer's context (``ctx.telemetry``): tokens
+and samples counted from the micro-batches, model FLOPs estimated from the parameter count, and
+the step time split into compute (forward/backward and the optimizer step, marked as compute
+regions), communication and waiting (definitions in ``kernels_runtime.telemetry.split``).
+"""
 
 from __future__ import annotations
 
@@ -45,14 +51,46 @@ def train_step(
     n = len(microbatches)
     if n == 0:
         raise ValueError("train_step needs at least one micro-batch")
-    total = torch.zeros((), dtype=torch.float32)
-    for i, batch in enumerate(microbatches):
-        sync = contextlib.nullcontext() if i == n - 1 else optimizer.no_sync()
-        with sync:
-            loss = loss_fn(model, batch)
-            optimizer.backward(loss / n)
-        total += loss.detach().float().cpu()
-    stepped = optimizer.step()
-    mean = (total / n).to(optimizer.ctx.device)
-    optimizer.ctx.comm.all_reduce(mean, group=optimizer.ctx.dp_group)
-    return StepResult(mean.item() / optimizer.ctx.dp_size, stepped, optimizer.last_grad_norm)
+    telemetry = optimizer.ctx.telemetry
+    samples, tokens, seq_len = _count(microbatches)
+    flops = telemetry.model_flops(model, tokens, seq_len)
+    with telemetry.step(tokens=tokens, samples=samples, flops=flops):
+        total = torch.zeros((), dtype=torch.float32)
+        for i, batch in enumerate(microbatches):
+            sync = contextlib.nullcontext() if i == n - 1 else optimizer.no_sync()
+            with sync, telemetry.compute():
+                loss = loss_fn(model, batch)
+                optimizer.backward(loss / n)
+            total += loss.detach().float().cpu()
+        with telemetry.compute():
+            stepped = optimizer.step()
+        mean = (total / n).to(optimizer.ctx.device)
+        optimizer.ctx.comm.all_reduce(mean, group=optimizer.ctx.dp_group)
+        loss_value = mean.item() / optimizer.ctx.dp_size
+    return StepResult(loss_value, stepped, optimizer.last_grad_norm)
+
+
+def _count(microbatches: Sequence[Any]) -> tuple[int, int, int | None]:
+    """(samples, tokens, sequence length) of this rank's micro-batches.
+
+    Read from ``input_ids`` (a dict batch) or the first element (an ``(input_ids, labels)``
+    batch): samples are its leading dimension, tokens its element count when it holds integer
+    token ids. Batches of floats (pixels) count samples only."""
+    samples = tokens = 0
+    seq_len = None
+    for batch in microbatches:
+        if isinstance(batch, dict):
+            first = batch.get("input_ids")
+            if first is None:
+                first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
+        elif isinstance(batch, (tuple, list)):
+            first = batch[0] if batch else None
+        else:
+            first = batch
+        if not isinstance(first, torch.Tensor) or first.dim() == 0:
+            continue
+        samples += first.shape[0]
+        if not first.is_floating_point():
+            tokens += first.numel()
+            seq_len = first.shape[-1] if first.dim() >= 2 else seq_len
+    return samples, tokens, seq_len

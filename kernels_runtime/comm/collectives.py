@@ -14,6 +14,14 @@ Bytes: the logical payload this rank hands to the op, i.e. numel * element_size 
 (all_reduce, all_gather, reduce_scatter, all_to_all, send), of the buffer (broadcast, recv), and
 0 for barrier. It is not wire traffic, which depends on the algorithm (a ring all_reduce sends
 about twice the payload). Only completed calls are counted.
+
+Blocked time: the seconds this rank spent waiting for an op, i.e. inside ``PendingOp.wait``
+(for a synchronous collective the whole call, issue included: lazy NCCL communicator set-up
+blocks there). The telemetry's step split counts it as communication time.
+
+Each ``Collectives`` carries the rank's ``Telemetry`` (over its own stats): every strategy and
+``ParallelContext`` already receives the collectives, so steps they record and the
+communication they do end up in the same place without another argument.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from kernels_runtime.comm.stats import CommStats
+from kernels_runtime.telemetry import Telemetry
 
 # torch 2.13 renamed the tensor-in/tensor-out variants; older versions only have the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -78,20 +87,23 @@ class PendingOp:
     """A collective in flight. ``wait`` blocks at most the timeout, then records the op."""
 
     def __init__(self, stats: CommStats, op: str, group: str, nbytes: int, timeout_s: float,
-                 start: float, work: Work | None) -> None:
+                 start: float, work: Work | None, blocking: bool = False) -> None:
         self.stats, self.op, self.group, self.nbytes = stats, op, group, nbytes
         self.timeout_s, self.start, self.work = timeout_s, start, work
+        self.blocking = blocking  # a synchronous call: the caller was blocked since `start`
 
     def wait(self) -> None:
         if self.work is None:  # this rank is not a member of the group: nothing happened
             return
+        entered = self.start if self.blocking else time.perf_counter()
         try:
             self.work.wait(timeout=timedelta(seconds=self.timeout_s))
         except RuntimeError as err:
             self.work = None  # a pending gloo work pins the group and its store's port
             raise CollectiveTimeoutError(self.op, self.group, self.timeout_s, str(err)) from err
         self.work = None
-        self.stats.record(self.op, self.group, self.nbytes, time.perf_counter() - self.start)
+        done = time.perf_counter()
+        self.stats.record(self.op, self.group, self.nbytes, done - self.start, done - entered)
 
 
 class Collectives:
@@ -100,6 +112,7 @@ class Collectives:
     def __init__(self, stats: CommStats | None = None, timeout_s: float = 60.0) -> None:
         self.stats = stats if stats is not None else CommStats()
         self.timeout_s = timeout_s
+        self.telemetry = Telemetry(self.stats)  # the session installs probes and a publisher
         self._world_name = "world"
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._native_reduce_scatter: dict[str, bool] = {}  # backend name -> supported
@@ -123,7 +136,8 @@ class Collectives:
             return "non-member"
 
     def _issue(
-        self, op: str, group: Group, nbytes: int, issue: Callable[[], Work | None]
+        self, op: str, group: Group, nbytes: int, issue: Callable[[], Work | None],
+        blocking: bool = False,
     ) -> PendingOp:
         """Issue one async op; the returned handle's ``wait`` is bounded and records stats.
         Issue-time errors (bad shapes, unsupported ops) pass through unchanged: the group is
@@ -132,10 +146,10 @@ class Collectives:
         group_timeout = _group_timeout_s(group)
         timeout_s = min(self.timeout_s, group_timeout or self.timeout_s)
         start = time.perf_counter()
-        return PendingOp(self.stats, op, name, nbytes, timeout_s, start, issue())
+        return PendingOp(self.stats, op, name, nbytes, timeout_s, start, issue(), blocking)
 
     def _run(self, op: str, group: Group, nbytes: int, issue: Callable[[], Work | None]) -> None:
-        self._issue(op, group, nbytes, issue).wait()
+        self._issue(op, group, nbytes, issue, blocking=True).wait()
 
     def all_reduce_async(
         self, tensor: Tensor, op: ReduceOp = SUM, group: Group = None

@@ -4,6 +4,12 @@ The whole dp x pp x sp x tp topology is one torch ``DeviceMesh`` with named axes
 first), so a rank's coordinates and the group of every axis come from one object that is passed
 explicitly to every strategy: no module-level state. Axis order puts tp innermost so tensor-
 parallel peers are adjacent ranks (same node, fastest links), then sp, pp, and dp outermost.
+
+``ctx.telemetry`` is the telemetry carried by ``ctx.comm``: in a pool that is the session's
+(published to the notebook), under torchrun ``RankSession.from_env()``'s. It comes through the
+collectives rather than as another argument because the communication it reports is those
+collectives' own: the two can never disagree, and ``ParallelContext.build(plan, comm)`` in
+existing notebooks picks it up unchanged.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from kernels_runtime.comm import Collectives
 from kernels_runtime.mesh.plan import AXES, Plan
+from kernels_runtime.telemetry import Telemetry
 
 
 @dataclass
@@ -58,6 +65,11 @@ class ParallelContext:
             raise ValueError(f"plan {plan.to_string()!r} needs another mesh than "
                              f"{self.plan.to_string()!r}; build a new ParallelContext")
         return ParallelContext(plan, self.mesh, self.comm, self.device, dict(self.coords))
+
+    @property
+    def telemetry(self) -> Telemetry:
+        """Where ``train_step`` records steps (see the module docstring)."""
+        return self.comm.telemetry
 
     # ---- per-axis facts ------------------------------------------------------------------
     def group(self, axis: str) -> dist.ProcessGroup:

@@ -1,0 +1,14 @@
+"""Per-rank telemetry: counters and samples of memory, communication and throughput.
+
+The lowest layer of the runtime and free of torch: probes and publishing are injected, so
+``torchrun`` scripts, pool engines and the notebook side (which imports ``TELEMETRY_KEY``) all
+use it unchanged.
+"""
+
+from kernels_runtime.telemetry.flops import model_shape, training_flops_per_token
+from kernels_runtime.telemetry.publisher import Publisher
+from kernels_runtime.telemetry.split import StepSplitter, StepTiming
+from kernels_runtime.telemetry.telemetry import TELEMETRY_KEY, StepRecord, Telemetry, host_memory
+
+__all__ = ["TELEMETRY_KEY", "Publisher", "StepRecord", "StepSplitter", "StepTiming",
+           "Telemetry", "host_memory", "model_shape", "training_flops_per_token"]

@@ -1,0 +1,225 @@
+"""One rank's telemetry: memory per tier, communication, throughput and the step-time split.
+
+The notebook polls ranks through ipyparallel's datapub, which keeps only the latest value per
+key, so everything published is cumulative (a lost or repeated reading costs nothing and rates
+are differences) plus a short rolling window of the most recent steps. The snapshot, one dict
+published under ``TELEMETRY_KEY``::
+
+    seq, time                                   publish counter, wall clock (time.time())
+    steps, tokens, samples, flops               cumulative, counted by this rank
+    seconds: {step, compute, comm, waiting}     cumulative; definitions in ``split.py``
+    throughput: {samples_per_s, tokens_per_s, flops_per_s, steps}   over the recent window
+    memory: {device_allocated, device_reserved, device_peak,        bytes now (device tier),
+             host_rss, host_peak, disk_spill}                       host tier, disk tier
+    comm: {op: {group: {calls, bytes, seconds, blocked}}}           ``CommStats``, cumulative
+    comm_by_axis: {group: {calls, bytes, seconds, blocked}}         the same, summed over ops
+    recent: [{step, seconds, compute, comm, waiting, tokens, samples, flops}, ...]
+
+Group names are the mesh axes (dp, pp, sp, tp) or "world". Tokens and samples are this rank's
+own (its data-parallel shard), so FLOP/s is this rank's achieved model FLOP/s.
+
+No torch here: the probes (memory, device synchronize) and the ``CommStats`` are injected, so
+the notebook side can import the schema, and the class is testable in a plain process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kernels_runtime.telemetry.flops import model_shape, training_flops_per_token
+from kernels_runtime.telemetry.publisher import Publisher, Send
+from kernels_runtime.telemetry.split import StepSplitter
+
+TELEMETRY_KEY = "colossal_telemetry"
+MemoryProbe = Callable[[], dict[str, int]]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int  # 1-based index among this rank's recorded steps
+    seconds: float
+    compute: float
+    comm: float
+    waiting: float
+    tokens: int
+    samples: int
+    flops: float
+
+
+def host_memory() -> dict[str, int]:
+    """The default probe: this process's RSS; no device tier (a CPU rank's device is RAM)."""
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    return {"device_allocated": 0, "device_reserved": 0, "device_peak": 0,
+            "host_rss": rss, "host_peak": rss}
+
+
+class Telemetry:
+    """Counters and samples of one rank; see the module docstring for what is published.
+
+    ``comm_stats`` is the rank's ``CommStats`` (duck-typed: ``snapshot()``,
+    ``blocked_seconds()``). Record steps with ``with telemetry.step(tokens=..., samples=...):``
+    around each step, or ``telemetry.tick(tokens=..., samples=...)`` once at the end of each
+    (the first tick after a pause only starts the clock); ``train_step`` does it by itself.
+    """
+
+    def __init__(
+        self,
+        comm_stats: Any = None,
+        *,
+        memory: MemoryProbe | None = None,
+        synchronize: Callable[[], None] | None = None,
+        publisher: Send | None = None,
+        min_interval_s: float = 0.25,
+        window: int = 32,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.comm_stats = comm_stats
+        self.memory = memory or host_memory
+        self.flops_per_token: float | None = None  # set to override the model-based estimate
+        self.disk_spill_bytes = 0
+        self.splitter = StepSplitter(self._blocked, clock, synchronize)
+        self.publisher = Publisher(publisher, min_interval_s, clock)
+        self.recent: deque[StepRecord] = deque(maxlen=window)
+        self.last_published: dict[str, Any] | None = None
+        self._totals = dict.fromkeys(("steps", "tokens", "samples", "flops"), 0)
+        self._seconds = dict.fromkeys(("step", "compute", "comm", "waiting"), 0.0)
+        self._models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._published_state: tuple | None = None
+
+    def configure(self, *, memory: MemoryProbe | None = None,
+                  synchronize: Callable[[], None] | None = None) -> None:
+        """Install the rank's device probes (the session does, from its accelerator)."""
+        if memory is not None:
+            self.memory = memory
+        if synchronize is not None:
+            self.splitter.synchronize = synchronize
+
+    def set_publisher(self, send: Send | None) -> None:
+        """Publish through ``send`` (e.g. datapub) from now on, from the calling thread only."""
+        self.publisher.install(send)
+
+    # ---- recording ----------------------------------------------------------------------
+    def compute(self) -> contextlib.AbstractContextManager[None]:
+        """``with telemetry.compute():`` around forward/backward/optimizer work of a step."""
+        return self.splitter.compute()
+
+    @contextlib.contextmanager
+    def step(self, tokens: int = 0, samples: int = 0,
+             flops: float | None = None) -> Iterator[None]:
+        """One training step around the block; a step that raises is not recorded."""
+        self.splitter.begin()
+        try:
+            yield
+        except BaseException:
+            self.splitter.pause()
+            raise
+        self.tick(tokens, samples, flops)
+
+    def tick(self, tokens: int = 0, samples: int = 0,
+             flops: float | None = None) -> StepRecord | None:
+        """A step ended now; it began where the previous one ended. The first tick after a
+        pause only starts the clock and returns None. ``flops`` defaults to ``tokens *
+        flops_per_token`` when that is set, else 0."""
+        timing = self.splitter.end()
+        if timing is None:
+            self.splitter.begin()
+            return None
+        if flops is None:
+            flops = tokens * self.flops_per_token if self.flops_per_token else 0.0
+        t = self._totals
+        t["steps"] += 1
+        t["tokens"] += tokens
+        t["samples"] += samples
+        t["flops"] += flops
+        record = StepRecord(t["steps"], timing.seconds, timing.compute, timing.comm,
+                            timing.waiting, tokens, samples, flops)
+        for key, value in (("step", timing.seconds), ("compute", timing.compute),
+                           ("comm", timing.comm), ("waiting", timing.waiting)):
+            self._seconds[key] += value
+        self.recent.append(record)
+        self.maybe_publish()
+        return record
+
+    def pause(self) -> None:
+        """Time from now until the next step begins belongs to no step (idle between cells,
+        evaluation); it also starts a new throughput window."""
+        self.splitter.pause()
+        self.recent.clear()
+
+    def record_disk_spill(self, nbytes: int) -> None:
+        """Offload code reports bytes written to (positive) or freed from (negative) disk."""
+        self.disk_spill_bytes += nbytes
+
+    def model_flops(self, model: Any, tokens: int, seq_len: int | None = None) -> float:
+        """FLOPs of training ``model`` on ``tokens`` tokens: ``tokens * flops_per_token`` when
+        set, else the 6*Psi (+ attention) estimate of ``flops.py``, cached per model."""
+        if self.flops_per_token:
+            return tokens * self.flops_per_token
+        shape = self._models.get(model)
+        if shape is None:
+            shape = self._models[model] = model_shape(model)
+        n_params, layers, hidden = shape
+        per_token = training_flops_per_token(n_params, n_layers=layers, hidden=hidden,
+                                             seq_len=seq_len)
+        return tokens * per_token
+
+    # ---- reading and publishing ---------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """The current figures as plain Python values (picklable, JSON-able)."""
+        comm = self.comm_stats.snapshot() if self.comm_stats is not None else {}
+        by_axis: dict[str, dict[str, float]] = {}
+        for groups in comm.values():
+            for group, counters in groups.items():
+                into = by_axis.setdefault(group, dict.fromkeys(counters, 0))
+                for k, v in counters.items():
+                    into[k] += v
+        window = list(self.recent)
+        seconds = sum(r.seconds for r in window)
+
+        def rate(key: str) -> float:
+            return sum(getattr(r, key) for r in window) / seconds if seconds > 0 else 0.0
+
+        memory = dict(self.memory())
+        memory["disk_spill"] = self.disk_spill_bytes
+        return {
+            "seq": self.publisher.sent, "time": time.time(), **self._totals,
+            "seconds": dict(self._seconds),
+            "throughput": {"samples_per_s": rate("samples"), "tokens_per_s": rate("tokens"),
+                           "flops_per_s": rate("flops"), "steps": len(window)},
+            "memory": memory, "comm": comm, "comm_by_axis": by_axis,
+            "recent": [asdict(r) for r in window],
+            "publish_errors": self.publisher.errors,
+        }
+
+    def maybe_publish(self, force: bool = False) -> bool:
+        """Publish a snapshot if the publisher is due (or ``force``); True if it went out."""
+        if not (force and self.publisher.active) and not self.publisher.due():
+            return False
+        snap = self.snapshot()
+        if not self.publisher.publish(snap, force=force):
+            return False
+        self.last_published = snap
+        self._published_state = self._state()
+        return True
+
+    def flush(self) -> bool:
+        """Publish now if anything changed since the last publish (the engine calls this at
+        the end of every cell, so the last figures of a run always reach the notebook)."""
+        if self._state() == self._published_state:
+            return False
+        return self.maybe_publish(force=True)
+
+    def _state(self) -> tuple:
+        calls = self.comm_stats.totals()["calls"] if self.comm_stats is not None else 0
+        return (self._totals["steps"], calls, self.disk_spill_bytes)
+
+    def _blocked(self) -> float:
+        return self.comm_stats.blocked_seconds() if self.comm_stats is not None else 0.0

@@ -1,0 +1,93 @@
+"""The dashboard's plotly figure, built from a ``RunHistory`` and updated in place.
+
+One figure, four panels, so a live update is one ``batch_update`` (one message to the browser):
+
+- memory per tier per rank, stacked (device allocated, host RSS, disk spill), latest values;
+- step time per rank, stacked (compute, communication, waiting), cumulative seconds;
+- communication bytes per mesh axis, summed over ranks, cumulative, over time;
+- throughput per rank (tokens/s over its recent steps), over time; samples/s and achieved
+  FLOP/s in the hover text.
+
+Values are the runtime's own numbers, unscaled (bytes, seconds), so what a figure shows can be
+checked against ``CommStats`` and ``Telemetry.snapshot()``; axes format them (``~s``: 1.2M).
+Every trace has a unique name (``"memory: host"``, ``"comm: dp"``, ``"tokens/s: rank 0"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from workbench.dashboard.history import RunHistory
+
+TIERS = (("device", "device_allocated"), ("host", "host_rss"), ("disk", "disk_spill"))
+PARTS = ("compute", "comm", "waiting")
+TITLES = ("memory per tier (bytes, now)", "step time (s, cumulative)",
+          "communication per axis (bytes, all ranks)", "throughput (tokens/s, recent steps)")
+
+TraceSpec = tuple[str, int, int, dict[str, Any]]  # (kind, row, col, properties)
+
+
+def trace_specs(history: RunHistory) -> dict[str, TraceSpec]:
+    """Every trace's name, panel and data, computed from ``history`` alone."""
+    labels = [f"rank {r}" for r in history.ranks]
+    latest = [history.latest.get(r, {}) for r in history.ranks]
+    specs: dict[str, TraceSpec] = {}
+    for tier, key in TIERS:
+        y = [s.get("memory", {}).get(key, 0) for s in latest]
+        specs[f"memory: {tier}"] = ("bar", 1, 1, {"x": labels, "y": y})
+    for part in PARTS:
+        y = [s.get("seconds", {}).get(part, 0.0) for s in latest]
+        specs[f"time: {part}"] = ("bar", 1, 2, {"x": labels, "y": y})
+    t = history.times()
+    for axis in history.axes():
+        specs[f"comm: {axis}"] = ("line", 2, 1, {"x": t, "y": history.comm_bytes(axis)})
+    for r in history.ranks:
+        samples = history.rank_series(r, "samples_per_s")
+        flops = history.rank_series(r, "flops_per_s")
+        hover = [f"{s:,.1f} samples/s, {f / 1e9:,.2f} GFLOP/s" for s, f in zip(samples, flops)]
+        specs[f"tokens/s: rank {r}"] = ("line", 2, 2, {
+            "x": t, "y": history.rank_series(r, "tokens_per_s"), "hovertext": hover})
+    return specs
+
+
+def _trace(name: str, kind: str, props: dict[str, Any]) -> go.BaseTraceType:
+    group = name.split(":")[0]
+    if kind == "bar":
+        return go.Bar(name=name, legendgroup=group, **props)
+    return go.Scatter(name=name, legendgroup=group, mode="lines+markers", **props)
+
+
+def build_figure(history: RunHistory, widget: bool = True) -> go.Figure:
+    """A new figure (a ``FigureWidget`` for live updates) showing ``history``."""
+    fig = make_subplots(rows=2, cols=2, subplot_titles=TITLES, horizontal_spacing=0.1,
+                        vertical_spacing=0.18)
+    for name, (kind, row, col, props) in trace_specs(history).items():
+        fig.add_trace(_trace(name, kind, props), row=row, col=col)
+    fig.update_layout(barmode="stack", height=620, margin={"t": 70, "b": 40},
+                      title=history.label or "colossal run", legend={"font": {"size": 10}})
+    fig.update_yaxes(tickformat="~s")
+    fig.update_xaxes(title_text="s since the cell started", row=2)
+    return go.FigureWidget(fig) if widget else fig
+
+
+def update_figure(fig: go.Figure, history: RunHistory) -> None:
+    """Bring ``fig`` up to date: new traces (an axis used for the first time) are added, then
+    every trace's data is replaced in one batch."""
+    specs = trace_specs(history)
+    have = {trace.name for trace in fig.data}
+    for name, (kind, row, col, props) in specs.items():
+        if name not in have:
+            fig.add_trace(_trace(name, kind, props), row=row, col=col)
+    with fig.batch_update():
+        for trace in fig.data:
+            if trace.name in specs:
+                trace.update(specs[trace.name][3])
+
+
+def trace_data(fig: go.Figure) -> dict[str, tuple[list, list]]:
+    """``{trace name: (x, y)}`` as plain lists: what a figure shows, for checks and tests."""
+    return {t.name: (list(t.x) if t.x is not None else [], list(t.y) if t.y is not None else [])
+            for t in fig.data}

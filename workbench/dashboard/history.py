@@ -1,0 +1,112 @@
+"""A run's telemetry as the notebook saw it: the latest snapshot per rank and a time series.
+
+Ranks publish cumulative snapshots (``kernels_runtime.telemetry``); the notebook polls them
+about four times a second and appends one point whenever some rank's snapshot is new. Plotly
+resends whole arrays on every update, so the series is bounded: beyond ``max_points`` every
+other point is dropped (the run's whole span stays, at half the resolution), which keeps both
+memory and each widget update small however long a run is. No plotly here, so collecting a
+history costs nothing until a figure is wanted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kernels_runtime.telemetry import TELEMETRY_KEY
+
+
+@dataclass(frozen=True)
+class Point:
+    t: float  # seconds since the run started, notebook clock
+    ranks: dict[int, dict[str, Any]]  # rank -> throughput and comm bytes per axis at that time
+
+
+def _summary(snapshot: dict[str, Any]) -> dict[str, Any]:
+    tp = snapshot.get("throughput", {})
+    return {
+        "tokens_per_s": tp.get("tokens_per_s", 0.0),
+        "samples_per_s": tp.get("samples_per_s", 0.0),
+        "flops_per_s": tp.get("flops_per_s", 0.0),
+        "comm_bytes": {axis: c.get("bytes", 0)
+                       for axis, c in snapshot.get("comm_by_axis", {}).items()},
+    }
+
+
+class RunHistory:
+    """What one ``%%colossal`` cell's ranks published, as of the last poll."""
+
+    def __init__(self, ranks: list[int], *, max_points: int = 600, label: str = "",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ranks = list(ranks)
+        self.label = label
+        self.max_points = max_points
+        self.clock = clock
+        self.started = clock()
+        self.seconds: float | None = None  # set when the cell has ended
+        self.latest: dict[int, dict[str, Any]] = {}  # rank -> its last snapshot
+        self.points: list[Point] = []
+        self._seen: dict[int, tuple] = {}
+
+    @property
+    def has_data(self) -> bool:
+        return bool(self.latest)
+
+    @property
+    def elapsed(self) -> float:
+        return self.seconds if self.seconds is not None else self.clock() - self.started
+
+    def ingest(self, data: dict[int, dict[str, Any]]) -> bool:
+        """Take ``{rank: AsyncResult.data}``; True if some rank published something new."""
+        new = False
+        for rank, published in data.items():
+            snap = published.get(TELEMETRY_KEY)
+            if not isinstance(snap, dict):
+                continue
+            key = (snap.get("seq"), snap.get("time"))
+            if self._seen.get(rank) == key:
+                continue
+            self._seen[rank], self.latest[rank], new = key, snap, True
+        if new:
+            ranks = {r: _summary(s) for r, s in self.latest.items()}
+            self.points.append(Point(self.clock() - self.started, ranks))
+            if len(self.points) > self.max_points:
+                self.points = self.points[-1::-2][::-1]  # every other point, keeping the last
+        return new
+
+    def finish(self) -> None:
+        """The cell ended: freeze the run's duration."""
+        if self.seconds is None:
+            self.seconds = self.clock() - self.started
+
+    # ---- series for the figures ---------------------------------------------------------
+    def axes(self) -> list[str]:
+        """Communication axes (process group names) any rank has used, in mesh order."""
+        names = {a for s in self.latest.values() for a in s.get("comm_by_axis", {})}
+        order = {a: i for i, a in enumerate(("dp", "pp", "sp", "tp", "world"))}
+        return sorted(names, key=lambda a: (order.get(a, len(order)), a))
+
+    def times(self) -> list[float]:
+        return [p.t for p in self.points]
+
+    def comm_bytes(self, axis: str) -> list[float]:
+        """Bytes moved on ``axis`` so far, summed over ranks, at each point."""
+        return [sum(r["comm_bytes"].get(axis, 0) for r in p.ranks.values()) for p in self.points]
+
+    def rank_series(self, rank: int, key: str) -> list[float]:
+        """``tokens_per_s``, ``samples_per_s`` or ``flops_per_s`` of one rank at each point."""
+        return [p.ranks[rank][key] if rank in p.ranks else 0.0 for p in self.points]
+
+    def summary(self) -> str:
+        """One line for plain-text outputs (headless runs, logs)."""
+        if not self.latest:
+            return f"colossal dashboard: ranks {self.ranks}, no telemetry published yet"
+        steps = max(s.get("steps", 0) for s in self.latest.values())
+        tokens = sum(s.get("throughput", {}).get("tokens_per_s", 0.0)
+                     for s in self.latest.values())
+        comm = sum(c.get("bytes", 0) for s in self.latest.values()
+                   for c in s.get("comm_by_axis", {}).values())
+        return (f"colossal dashboard: ranks {self.ranks}, {steps} steps, "
+                f"{tokens:,.0f} tokens/s over all ranks, {comm / 2**20:,.1f} MiB communicated")
