@@ -47,7 +47,9 @@ class LiveDashboard:
         if self.mode == "off":
             return
         if self.view is None:
-            if self.history.has_data and self.history.elapsed >= self.show_after_s:
+            # Only a running cell gets a new figure: a cell that has just ended (or was
+            # interrupted) must return at once; workbench.dashboard() shows it afterwards.
+            if not final and self.history.has_data and self.history.elapsed >= self.show_after_s:
                 self._show()
         elif changed:
             self.view.refresh()
