@@ -4,4 +4,4 @@ PyTorch (or ipyparallel / HF) equivalent measured in the same run.
 Run one with ``python -m bench NAME``, all with ``python -m bench all``.
 """
 
-BENCHMARKS = ("magic_overhead", "data_parallel")
+BENCHMARKS = ("magic_overhead", "data_parallel", "planner")

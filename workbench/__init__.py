@@ -13,6 +13,7 @@ from typing import Any
 # ``from workbench.dashboard import LiveDashboard`` still resolve through sys.modules.
 from workbench.dashboard import dashboard
 from workbench.errors import PoolError, RankFailureError
+from workbench.planner import recommend as recommend  # re-export: workbench.recommend(...)
 from workbench.pool import Pool, RankStatus
 
 __all__ = ["Pool", "PoolError", "RankFailureError", "RankStatus", "dashboard",

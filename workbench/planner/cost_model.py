@@ -1,0 +1,170 @@
+"""``predict(plan, model, hardware)``: peak memory per rank and tier, and step time, of a plan.
+
+The prediction is the sum of small terms (``MEMORY_TERMS``, ``TIME_TERMS``), each a function
+of one ``Setting``. Tensor, pipeline and sequence parallelism, offloading and inference join as
+new terms here (and leave ``NOT_MODELED``); nothing else changes. Until then a plan that uses
+them is refused with a clear message rather than predicted wrongly.
+
+Overlap: gradient collectives start while backward still runs, so their time hides behind the
+compute of the same window (``TimeItem.window``), up to the hardware's ``overlap`` fraction of
+that compute, except the last collective of the window, which starts only when backward ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kernels_runtime.mesh.plan import Plan, PlanError
+from workbench.planner import memory, timing
+from workbench.planner.hardware import HardwareProfile, get_profile
+from workbench.planner.setting import CATEGORIES, TIERS, MemoryItem, Setting, TimeItem
+from workbench.planner.spec import ModelSpec
+
+MEMORY_TERMS: list[Callable[[Setting], list[MemoryItem]]] = [
+    memory.model_states, memory.activations, memory.buffers]
+TIME_TERMS: list[Callable[[Setting], list[TimeItem]]] = [
+    timing.compute, timing.elementwise, timing.optimizer, timing.dp_comm, timing.overhead]
+NOT_MODELED = {  # plan field -> (value that needs no term, what is missing)
+    "tp": (1, "tensor-parallel compute split and its all-reduces"),
+    "pp": (1, "pipeline bubble and stage activations"),
+    "sp": (1, "sequence-parallel activation split and its all-to-alls"),
+    "offload": ("none", "host/disk tier placement and PCIe traffic"),
+}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    setting: Setting
+    memory: list[MemoryItem]
+    time: list[TimeItem]
+
+    @property
+    def plan(self) -> Plan:
+        return self.setting.plan
+
+    # ---- memory ---------------------------------------------------------------------------
+    def memory_by_category(self, tier: str = "device") -> dict[str, float]:
+        out = dict.fromkeys(CATEGORIES, 0.0)
+        for item in self.memory:
+            if item.tier == tier:
+                out[item.category] += item.bytes
+        return out
+
+    def peak_by_tier(self) -> dict[str, float]:
+        return {tier: sum(self.memory_by_category(tier).values()) for tier in TIERS}
+
+    @property
+    def peak_bytes(self) -> float:
+        """Device-tier peak per rank: what must fit the memory budget."""
+        return self.peak_by_tier()["device"]
+
+    @property
+    def model_state_bytes(self) -> float:
+        m = self.memory_by_category()
+        return m["params"] + m["grads"] + m["optimizer"]
+
+    @property
+    def measurable_bytes(self) -> float:
+        """Model states + activations kept for backward (no transient buffers)."""
+        return self.model_state_bytes + self.memory_by_category()["activations"]
+
+    # ---- time -----------------------------------------------------------------------------
+    def seconds(self, kind: str, phase: str | None = None) -> float:
+        return sum(t.seconds for t in self.time
+                   if t.kind == kind and (phase is None or t.phase == phase))
+
+    def exposed_comm(self) -> dict[str, float]:
+        """Exposed communication seconds per overlap window ("none" for never hidden)."""
+        compute = {"forward": self.seconds("compute", "forward"),
+                   "backward": self.seconds("compute", "backward")}
+        compute["backward_last"] = compute["backward"] / self.setting.microbatches
+        out: dict[str, float] = {}
+        for window in ("forward", "backward", "backward_last", None):
+            items = [t for t in self.time if t.kind == "comm" and t.window == window]
+            total = sum(t.seconds for t in items)
+            if window is None or not items:
+                out[window or "none"] = total
+                continue
+            last = max(t.seconds / t.count for t in items)
+            hidden = self.setting.hw.overlap * compute[window]
+            out[window] = min(total, max(total - hidden, last))
+        return out
+
+    def comm_by_axis(self) -> dict[str, float]:
+        """Communication seconds per mesh axis (before overlap)."""
+        out: dict[str, float] = {}
+        for t in self.time:
+            if t.kind == "comm":
+                out[t.axis or "?"] = out.get(t.axis or "?", 0.0) + t.seconds
+        return out
+
+    @property
+    def compute_time(self) -> float:
+        return self.seconds("compute")
+
+    @property
+    def comm_time(self) -> float:
+        return self.seconds("comm")
+
+    @property
+    def exposed_comm_time(self) -> float:
+        return sum(self.exposed_comm().values())
+
+    @property
+    def step_time(self) -> float:
+        return (self.compute_time + self.seconds("optimizer") + self.seconds("overhead")
+                + self.exposed_comm_time)
+
+    def summary(self) -> str:
+        gb = 1e9
+        mem = self.memory_by_category()
+        parts = ", ".join(f"{k} {v / gb:.3g}" for k, v in mem.items() if v)
+        return (f"{plan_label(self.plan)}: {self.step_time:.4g} s/step (compute "
+                f"{self.compute_time:.3g}, exposed comm {self.exposed_comm_time:.3g} of "
+                f"{self.comm_time:.3g}, optimizer {self.seconds('optimizer'):.3g}, overhead "
+                f"{self.seconds('overhead'):.3g}); peak {self.peak_bytes / gb:.3g} GB per rank "
+                f"({parts})")
+
+
+def plan_label(plan: Plan) -> str:
+    """Short form of a data-parallel plan, e.g. ``dp=8 zero=2 bf16 mb=4 ckpt`` (parses back)."""
+    if any(getattr(plan, k) != v for k, (v, _) in NOT_MODELED.items()):
+        return plan.to_string()
+    label = f"dp={plan.dp} zero={plan.zero_stage} {plan.precision}"
+    if plan.microbatches > 1:
+        label += f" mb={plan.microbatches}"
+    return label + (" ckpt" if plan.activation_checkpointing else "")
+
+
+def _check_modeled(plan: Plan) -> None:
+    missing = [f"{name}={getattr(plan, name)} ({what})"
+               for name, (plain, what) in NOT_MODELED.items() if getattr(plan, name) != plain]
+    if missing:
+        raise PlanError("the cost model has no terms yet for " + "; ".join(missing)
+                        + "; it predicts dp/zero/precision/microbatches/checkpointing plans")
+
+
+def predict(plan: Plan | str, model: Any, hardware: HardwareProfile | str = "H100",
+            world_size: int | None = None) -> Prediction:
+    """Predict ``plan`` for ``model`` (ModelSpec, dict or HF config with seq and batch) on
+    ``hardware`` (a profile or "A100", "H100", "H200"). ``world_size`` defaults to the product
+    of the plan's degrees. Raises ``PlanError`` for a plan the runtime would refuse."""
+    plan = Plan.parse(plan)
+    spec = ModelSpec.from_config(model)
+    hw = get_profile(hardware)
+    if world_size is None:
+        if plan.dp is None:
+            raise PlanError("dp=auto needs world_size: pass world_size= or write dp=N")
+        world_size = plan.dp * plan.tp * plan.pp * plan.sp
+    plan = plan.validate(world_size, spec.plan_config())
+    _check_modeled(plan)
+    if not hw.supports(plan.precision):
+        raise PlanError(f"precision={plan.precision} has no measured rate on {hw.name}; "
+                        f"choose one of {', '.join(hw.matmul_flops)} or calibrate it")
+    st = Setting(plan, spec, hw, world_size)
+    _ = st.micro_batch  # raises PlanError when microbatches do not divide the batch
+    mem = [item for term in MEMORY_TERMS for item in term(st)]
+    time = [item for term in TIME_TERMS for item in term(st)]
+    return Prediction(st, mem, time)

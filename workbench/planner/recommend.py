@@ -1,0 +1,182 @@
+"""``recommend(model, world_size, budget)``: the fastest plan that fits, and why, in words.
+
+Candidates are every plan the runtime can run today on ``world_size`` ranks: data parallelism
+over all of them with ZeRO 0-3, each precision the hardware has a rate for, micro-batch counts
+dividing the per-rank batch, and activation checkpointing on or off. Tensor, pipeline and
+sequence degrees join ``candidate_plans`` (factor ``world_size`` into dp*tp*pp*sp) once
+``parallelize`` runs them and the cost model has their terms. Every candidate goes through
+``Plan.validate`` and the cost model; those over the memory budget are kept to explain what the
+budget excluded, and if none fits the error says what the smallest plan needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kernels_runtime.mesh.plan import PRECISIONS, Plan, PlanError
+from workbench.planner.activations import profile_for
+from workbench.planner.cost_model import Prediction, plan_label, predict
+from workbench.planner.hardware import HardwareProfile, get_profile
+from workbench.planner.spec import ModelSpec
+
+GB = 1e9
+
+
+class NoPlanFitsError(PlanError):
+    """No valid plan fits the memory budget; ``smallest`` is the plan needing the least."""
+
+    def __init__(self, message: str, smallest: Prediction | None = None) -> None:
+        super().__init__(message)
+        self.smallest = smallest
+
+
+def candidate_plans(world_size: int, spec: ModelSpec, precisions: tuple[str, ...],
+                    max_microbatches: int = 16) -> list[Plan]:
+    """Every plan of today's search space (validated later, one by one)."""
+    batch = spec.local_batch(world_size)
+    micro = [m for m in range(1, min(batch, max_microbatches) + 1) if batch % m == 0]
+    stages = (0, 1, 2, 3) if world_size > 1 else (0,)
+    return [Plan(dp=world_size, zero_stage=z, precision=p, microbatches=m,
+                 activation_checkpointing=ckpt)
+            for p in precisions for z in stages for m in micro for ckpt in (False, True)]
+
+
+@dataclass
+class Recommendation:
+    ranked: list[Prediction]  # plans within the budget, fastest first
+    over_budget: list[Prediction]  # valid plans that do not fit, fastest first
+    invalid: list[tuple[Plan, str]]  # candidates the runtime refuses, with the reason
+    budget: float
+    hardware: HardwareProfile
+    spec: ModelSpec
+    world_size: int
+    top: int = 3
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Prediction:
+        return self.ranked[0]
+
+    @property
+    def plan(self) -> Plan:
+        return self.best.plan
+
+    def explain(self, top: int | None = None) -> str:
+        top = top or self.top
+        lines = [f"{self.world_size} ranks of {self.hardware.name}; {self.spec.describe()}; "
+                 f"activations counted as {profile_for(self.spec).name}; budget "
+                 f"{self.budget / GB:.3g} GB per rank: {len(self.ranked)} of "
+                 f"{len(self.ranked) + len(self.over_budget)} valid plans fit."]
+        for i, p in enumerate(self.ranked[:top], 1):
+            lines.append(f"{i}. {_line(p, self.budget)}")
+            lines.append(f"   why: {self._why(p, i)}")
+        return "\n".join(lines + self.notes)
+
+    def _why(self, p: Prediction, rank: int) -> str:
+        comm_share = p.exposed_comm_time / p.step_time
+        bound = (f"communication-bound: exposed communication is {comm_share:.0%} of the step"
+                 if comm_share > 0.3 else
+                 f"compute-bound: {p.compute_time / p.step_time:.0%} of the step is compute, "
+                 f"{p.comm_time:.3g} s of communication of which {p.exposed_comm_time:.3g} s "
+                 "is not hidden behind backward")
+        if rank > 1:
+            best = self.best
+            slower = p.step_time / best.step_time - 1
+            return (f"{slower:.0%} slower than #1 ({_differences(p, best)}); "
+                    f"{_memory_delta(p, best)}; {bound}")
+        faster = [q for q in self.over_budget if q.step_time < p.step_time]
+        excluded = ""
+        if faster:
+            q = faster[0]
+            excluded = (f"; the faster {plan_label(q.plan)} ({q.step_time:.3g} s) needs "
+                        f"{q.peak_bytes / GB:.3g} GB, over the budget")
+        return f"fastest plan within the budget{excluded}; {bound}"
+
+    def __str__(self) -> str:
+        return self.explain()
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(self.explain())
+
+
+def _line(p: Prediction, budget: float) -> str:
+    mem = p.memory_by_category()
+    parts = ", ".join(f"{k} {v / GB:.3g}" for k, v in mem.items() if v)
+    return (f"{plan_label(p.plan)}: {p.step_time:.4g} s/step (compute {p.compute_time:.3g} s, "
+            f"exposed comm {p.exposed_comm_time:.3g} s, optimizer {p.seconds('optimizer'):.3g}"
+            f" s, overhead {p.seconds('overhead'):.3g} s); peak {p.peak_bytes / GB:.3g} GB per "
+            f"rank = {p.peak_bytes / budget:.0%} of budget ({parts} GB)")
+
+
+def _components(p: Prediction) -> dict[str, float]:
+    return {"matmuls": p.seconds("compute") - _memory_bound(p),
+            "memory-bound ops": _memory_bound(p), "exposed communication": p.exposed_comm_time,
+            "optimizer": p.seconds("optimizer"), "overhead": p.seconds("overhead")}
+
+
+def _memory_bound(p: Prediction) -> float:
+    return sum(t.seconds for t in p.time if t.kind == "compute" and "memory-bound" in t.name)
+
+
+def _differences(p: Prediction, best: Prediction) -> str:
+    mine, theirs = _components(p), _components(best)
+    deltas = sorted(((mine[k] - theirs[k], k) for k in mine), reverse=True)
+    return ", ".join(f"{k} {d:+.3g} s" for d, k in deltas[:2] if abs(d) > 0) or "same costs"
+
+
+def _memory_delta(p: Prediction, best: Prediction) -> str:
+    d = best.peak_bytes - p.peak_bytes
+    if abs(d) < 0.0005 * GB:
+        return "same memory"
+    return f"saves {d / GB:.3g} GB per rank" if d > 0 else f"needs {-d / GB:.3g} GB more"
+
+
+def recommend(
+    model_config: Any,
+    world_size: int,
+    memory_budget_bytes: float | None = None,
+    hardware: HardwareProfile | str = "H100",
+    *,
+    precisions: tuple[str, ...] | None = None,
+    max_microbatches: int = 16,
+    top: int = 3,
+    **workload: Any,
+) -> Recommendation:
+    """Rank today's runnable plans by predicted step time under ``memory_budget_bytes`` per rank
+    (default: the hardware's device memory) and explain the ``top`` ones.
+
+    ``model_config``: ModelSpec, dict or HF config; ``workload`` overrides (seq=, batch=,
+    global_batch=). Raises ``NoPlanFitsError`` naming the smallest need when nothing fits.
+    """
+    spec = ModelSpec.from_config(model_config, **workload)
+    hw = get_profile(hardware)
+    budget = float(memory_budget_bytes if memory_budget_bytes is not None else hw.device_memory)
+    precisions = tuple(p for p in (precisions or PRECISIONS) if hw.supports(p))
+    if not precisions:
+        raise PlanError(f"none of the requested precisions has a rate on {hw.name}")
+    notes = []
+    if "bf16" in precisions and "fp16" in precisions and \
+            hw.forward_flops("fp16") <= hw.forward_flops("bf16"):
+        precisions = tuple(p for p in precisions if p != "fp16")
+        notes.append("fp16 left out: no faster than bf16 here, and it needs loss scaling")
+    valid: list[Prediction] = []
+    invalid: list[tuple[Plan, str]] = []
+    for plan in candidate_plans(world_size, spec, precisions, max_microbatches):
+        try:
+            valid.append(predict(plan, spec, hw, world_size))
+        except PlanError as err:
+            invalid.append((plan, str(err)))
+    if not valid:
+        reasons = "; ".join(sorted({r for _, r in invalid}))
+        raise NoPlanFitsError(f"no plan is valid on {world_size} ranks: {reasons}")
+    valid.sort(key=lambda p: (p.step_time, p.peak_bytes))
+    fits = [p for p in valid if p.peak_bytes <= budget]
+    if not fits:
+        smallest = min(valid, key=lambda p: p.peak_bytes)
+        raise NoPlanFitsError(
+            f"no plan fits {budget / GB:.3g} GB per rank on {world_size} ranks: the smallest "
+            f"need is {smallest.peak_bytes / GB:.3g} GB per rank, by {_line(smallest, budget)}. "
+            "Raise the budget, add ranks, or shorten the sequence or the batch.", smallest)
+    over = [p for p in valid if p.peak_bytes > budget]
+    return Recommendation(fits, over, invalid, budget, hw, spec, world_size, top, notes)

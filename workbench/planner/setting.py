@@ -1,0 +1,91 @@
+"""What every cost term reads (``Setting``) and what it returns (``MemoryItem``, ``TimeItem``).
+
+A term is a plain function ``Setting -> list[item]``. Keeping terms this small and uniform is
+what lets tensor, pipeline and sequence parallelism, offloading and inference join later as new
+functions in the lists of ``cost_model.py`` without touching the existing ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernels_runtime.mesh.plan import Plan, PlanError
+from workbench.planner.hardware import HardwareProfile
+from workbench.planner.spec import ModelSpec
+
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
+TIERS = ("device", "host", "disk")
+
+
+@dataclass(frozen=True)
+class Setting:
+    plan: Plan  # validated: dp resolved
+    spec: ModelSpec
+    hw: HardwareProfile
+    world: int
+
+    @property
+    def dp(self) -> int:
+        assert self.plan.dp is not None
+        return self.plan.dp
+
+    @property
+    def microbatches(self) -> int:
+        return self.plan.microbatches
+
+    @property
+    def local_batch(self) -> int:
+        return self.spec.local_batch(self.dp)
+
+    @property
+    def micro_batch(self) -> int:
+        b, m = self.local_batch, self.microbatches
+        if b % m:
+            raise PlanError(f"microbatches={m} does not divide the {b} samples per "
+                            f"data-parallel rank; choose a divisor of {b}")
+        return b // m
+
+    @property
+    def elem(self) -> int:
+        """Bytes per value of the compute dtype (activations, 16-bit parameters)."""
+        return ELEMENT_BYTES[self.plan.precision]
+
+    @property
+    def psi(self) -> int:
+        return self.spec.param_count
+
+    @property
+    def tokens_per_micro(self) -> int:
+        return self.micro_batch * self.spec.seq
+
+
+@dataclass(frozen=True)
+class MemoryItem:
+    """Bytes per rank of one kind (``CATEGORIES``) in one tier (``TIERS``) at the step's peak.
+    Model states and activations are checked against measurements; buffers are estimates."""
+
+    category: str  # one of CATEGORIES
+    bytes: float
+    tier: str = "device"
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class TimeItem:
+    """Seconds per optimizer step of one kind of work.
+
+    ``phase`` places compute in the step (forward / backward / step); a communication item's
+    ``window`` names the compute it may hide behind (``forward``, ``backward``, or
+    ``backward_last``: only the last micro-batch's backward), None for fully exposed; ``count``
+    is how many collectives it is made of (the last one cannot hide)."""
+
+    name: str
+    kind: str  # compute | comm | optimizer | overhead
+    seconds: float
+    phase: str = "step"
+    window: str | None = None
+    axis: str | None = None
+    count: int = 1
+    nbytes: float = 0.0
+    note: str = ""

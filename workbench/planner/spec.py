@@ -1,0 +1,159 @@
+"""``ModelSpec``: the shape facts of a transformer and its workload that the cost model reads.
+
+The planner predicts before any model exists, so it takes a description: a dict with the usual
+names, or a Hugging Face config object (``GPT2Config``, ``LlamaConfig``, ...) plus the workload
+(sequence length and batch), which a model config does not hold. Parameter counts are derived
+from the shape unless given, using the layout of the family (GPT-2: biases, LayerNorm, learned
+positions, tied embeddings; LLaMA-like: no biases, RMSNorm, gated MLP, rotary positions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+_NAMES = {  # our field -> names it goes by in dicts and HF configs, first match wins
+    "hidden": ("hidden", "hidden_size", "n_embd", "d_model"),
+    "layers": ("layers", "num_hidden_layers", "n_layer", "num_layers"),
+    "heads": ("heads", "num_attention_heads", "n_head", "num_heads"),
+    "vocab": ("vocab", "vocab_size"),
+    "seq": ("seq", "seq_len", "sequence_length"),
+    "batch": ("batch", "batch_per_rank", "batch_size"),
+    "global_batch": ("global_batch",),
+    "ffn": ("ffn", "intermediate_size", "n_inner", "ffn_dim"),
+    "kv_heads": ("kv_heads", "num_key_value_heads"),
+    "params": ("params", "num_parameters"),
+    "model_type": ("model_type",),
+    "attention": ("attention", "_attn_implementation", "attn_implementation"),
+    "activation": ("activation", "activation_function", "hidden_act"),
+    "dropout": ("dropout", "resid_pdrop", "hidden_dropout_prob", "hidden_dropout"),
+    "tied_embeddings": ("tied_embeddings", "tie_word_embeddings"),
+}
+_GATED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer and its batch. ``batch`` is samples per data-parallel rank
+    per optimizer step (split into the plan's micro-batches); give ``global_batch`` instead to
+    fix the samples per step over all ranks whatever the plan's dp."""
+
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int
+    seq: int
+    batch: int | None = None
+    global_batch: int | None = None
+    ffn: int | None = None  # MLP inner size; default 4 * hidden
+    kv_heads: int | None = None  # grouped-query attention; default heads
+    positions: int = 0  # learned position embeddings (GPT-2: n_positions); 0 for rotary
+    params: int | None = None  # a given count replaces the derived one
+    model_type: str = "gpt"
+    # eager | sdpa | flash: what attention keeps for backward. None: the textbook count
+    # (Korthikanti et al.), which materializes the s x s scores; say "sdpa" for fused kernels
+    attention: str | None = None
+    activation: str = "gelu"
+    dropout: float = 0.0
+    tied_embeddings: bool = True
+
+    # ---- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: Any, **overrides: Any) -> ModelSpec:
+        """From a ModelSpec, a dict or an HF config; ``overrides`` win (e.g. seq=, batch=)."""
+        if isinstance(config, ModelSpec):
+            return replace(config, **overrides) if overrides else config
+        values: dict[str, Any] = {}
+        for field_name, names in _NAMES.items():
+            for n in names:
+                v = config.get(n) if isinstance(config, dict) else getattr(config, n, None)
+                if v is not None:
+                    values[field_name] = v
+                    break
+        if not isinstance(config, dict):  # an HF config: its family's layout and defaults
+            if values.get("model_type") == "gpt2":
+                values["positions"] = getattr(config, "n_positions", 0)
+            values.setdefault("attention", "sdpa")  # what transformers picks when unset
+            values.setdefault("seq", getattr(config, "n_positions", None)
+                              or getattr(config, "max_position_embeddings", None))
+        elif "positions" in config:
+            values["positions"] = config["positions"]
+        values.update(overrides)
+        missing = [f for f in ("hidden", "layers", "heads", "vocab", "seq") if not values.get(f)]
+        if missing:
+            raise ValueError(f"model config lacks {', '.join(missing)}; pass them as keys "
+                             "(hidden, layers, heads, vocab, seq) or keyword arguments")
+        if values.get("batch") is None and values.get("global_batch") is None:
+            raise ValueError("model config lacks the batch: give batch (samples per "
+                             "data-parallel rank per step) or global_batch")
+        ints = ("hidden", "layers", "heads", "vocab", "seq", "batch", "global_batch", "ffn",
+                "kv_heads", "params", "positions")
+        for k in ints:
+            if values.get(k) is not None:
+                values[k] = int(values[k])
+        if "dropout" in values:
+            values["dropout"] = float(values["dropout"])
+        if values.get("attention") is not None:
+            values["attention"] = str(values["attention"])
+        return cls(**values)
+
+    # ---- derived shape --------------------------------------------------------------------
+    @property
+    def gated(self) -> bool:
+        """LLaMA-style SwiGLU MLP (three matrices), without biases, with RMSNorm."""
+        return self.model_type in _GATED_FAMILIES
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the key (and of the value) projection."""
+        return (self.kv_heads or self.heads) * (self.hidden // self.heads)
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of one block's matrix products (each costs 2 FLOPs per token forward)."""
+        h = self.hidden
+        return 2 * h * h + 2 * h * self.kv_size + (3 if self.gated else 2) * h * self.ffn_size
+
+    @property
+    def layer_params(self) -> int:
+        h, bias = self.hidden, not self.gated
+        biases = (h + 2 * self.kv_size + h + self.ffn_size + h) if bias else 0
+        norms = 2 * (h if self.gated else 2 * h)
+        return self.layer_matmul_params + biases + norms
+
+    @property
+    def embedding_params(self) -> int:
+        """Token (+ untied output) and position embeddings, and the final norm."""
+        h = self.hidden
+        head = 0 if self.tied_embeddings else self.vocab * h
+        return self.vocab * h + head + self.positions * h + (h if self.gated else 2 * h)
+
+    @property
+    def param_count(self) -> int:
+        return self.params or self.layers * self.layer_params + self.embedding_params
+
+    def local_batch(self, dp: int) -> int:
+        """Samples per data-parallel rank per step under a plan with ``dp`` replicas."""
+        if self.batch is not None:
+            return self.batch
+        assert self.global_batch is not None
+        if self.global_batch % dp:
+            raise ValueError(f"global_batch={self.global_batch} is not divisible by dp={dp}")
+        return self.global_batch // dp
+
+    def plan_config(self) -> dict[str, int | None]:
+        """The names ``Plan.validate`` checks a plan against."""
+        return {"num_attention_heads": self.heads, "num_hidden_layers": self.layers,
+                "hidden_size": self.hidden, "num_key_value_heads": self.kv_heads,
+                "vocab_size": self.vocab}
+
+    def describe(self) -> str:
+        batch = f"batch {self.batch}/rank" if self.batch is not None \
+            else f"global batch {self.global_batch}"
+        return (f"{self.model_type} {self.layers} layers, hidden {self.hidden}, "
+                f"{self.heads} heads, vocab {self.vocab}, {self.param_count / 1e6:,.1f} M "
+                f"parameters; seq {self.seq}, {batch}")

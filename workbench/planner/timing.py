@@ -1,0 +1,122 @@
+"""Time terms of one optimizer step: matmuls, memory-bound work, optimizer, communication,
+fixed overheads. How much communication hides behind compute is decided in ``cost_model``.
+
+Compute follows the usual count (Kaplan et al.; Narayanan et al. 2021): a token costs 2 FLOPs
+per weight of a matrix product forward and 4 backward (the "6 Psi"), plus ``4*s*h`` per layer
+forward for the two attention products (``12*L*h*s`` over the three passes). Full recomputation
+runs every layer's forward once more (x4/3 on the layers; the output head is not recomputed).
+Embedding lookups cost no FLOPs, so Psi here counts matrix weights only, the output projection
+included. Forward and backward divide by their own measured rates, because they differ on some
+hardware (bf16 on a CPU without bf16 instructions: ~10x).
+
+Communication is ring collectives over the data-parallel axis (REFERENCES.md): an all-reduce
+takes ``2(P-1)/P * bytes / bw + 2(P-1) * latency``, a reduce-scatter or an all-gather half the
+bandwidth and latency terms. This runtime reduces gradients in fp32 whatever the precision and
+gathers parameters in the compute dtype.
+"""
+
+from __future__ import annotations
+
+from workbench.planner.activations import activation_bytes
+from workbench.planner.memory import bucket_count
+from workbench.planner.setting import Setting, TimeItem
+
+
+def ring_seconds(op: str, nbytes: float, ranks: int, bandwidth: float, latency: float,
+                 count: int = 1) -> float:
+    """Time of ``count`` ring collectives moving ``nbytes`` in all (the unsharded size)."""
+    if ranks <= 1:
+        return 0.0
+    steps = 2 * (ranks - 1) if op == "all_reduce" else ranks - 1
+    return steps / ranks * nbytes / bandwidth + steps * latency * count
+
+
+def compute(st: Setting) -> list[TimeItem]:
+    """Forward FLOPs per token: 2 per matrix weight of the layers and the output head, and
+    4*s*h per layer for attention; backward twice that; recomputation one more layer forward."""
+    spec, precision = st.spec, st.plan.precision
+    tokens = st.tokens_per_micro * st.microbatches
+    layers = spec.layers * 2 * spec.layer_matmul_params * tokens
+    head = 2 * spec.vocab * spec.hidden * tokens
+    attention = spec.layers * 4 * spec.seq * spec.hidden * tokens
+    fwd, bwd = st.hw.forward_flops(precision), st.hw.backward_flops(precision)
+    att_fwd, att_bwd = st.hw.attention_rates(precision)
+    items = [
+        TimeItem("forward matmuls", "compute", (layers + head) / fwd, phase="forward"),
+        TimeItem("forward attention", "compute", attention / att_fwd, phase="forward"),
+        TimeItem("backward matmuls", "compute", 2 * (layers + head) / bwd, phase="backward"),
+        TimeItem("backward attention", "compute", 2 * attention / att_bwd, phase="backward"),
+    ]
+    if st.plan.activation_checkpointing:
+        items.append(TimeItem("recomputation", "compute", layers / fwd + attention / att_fwd,
+                              phase="backward", note="one more forward of every layer"))
+    return items
+
+
+def elementwise(st: Setting) -> list[TimeItem]:
+    """Memory-bound ops (norms, activation functions, residual adds, copies, fresh memory),
+    proportional to the bytes kept for backward without recomputation."""
+    kept = activation_bytes(st.spec, st.micro_batch, st.elem, checkpointing=False)
+    seconds = (kept["layers"] + kept["head"]) * st.microbatches \
+        / st.hw.activation_rate[st.plan.precision]
+    items = [TimeItem("forward memory-bound ops", "compute", seconds / 3, phase="forward"),
+             TimeItem("backward memory-bound ops", "compute", 2 * seconds / 3, phase="backward")]
+    if st.plan.activation_checkpointing:
+        share = kept["layers"] / (kept["layers"] + kept["head"])
+        items.append(TimeItem("recomputed memory-bound ops", "compute", share * seconds / 3,
+                              phase="backward"))
+    return items
+
+
+def optimizer(st: Setting) -> list[TimeItem]:
+    """AdamW on this rank's fp32 masters, plus casts between 16-bit and fp32 copies and
+    zeroing the gradient buffers."""
+    stage, n, e = st.plan.zero_stage, st.dp, st.elem
+    elems = st.psi if stage == 0 else st.psi / n
+    casts = (2 * e + 8) * elems if e != 4 else 0.0
+    zeroing = {0: st.psi * e, 1: st.psi * e, 2: st.psi * e / n}.get(stage, 0.0)
+    return [TimeItem("optimizer step", "optimizer", elems / st.hw.adam_rate
+                     + (casts + zeroing) / st.hw.elementwise_bandwidth["fp32"])]
+
+
+def dp_comm(st: Setting) -> list[TimeItem]:
+    """Gradient reduction and parameter gathering of ZeRO stage 0-3 over the dp axis.
+
+    Stages 0/1 communicate gradients once per step (earlier micro-batches accumulate locally),
+    behind the last micro-batch's backward; stage 2 reduce-scatters after every micro-batch;
+    stages 1/2 all-gather the updated parameters after the step, exposed; stage 3 all-gathers
+    each block's parameters before its forward and again before its backward, every
+    micro-batch, and reduce-scatters once (1.5x the traffic of an all-reduce).
+    """
+    n, stage, m = st.dp, st.plan.zero_stage, st.microbatches
+    if n == 1:
+        return []
+    stride = st.plan.tp * st.plan.sp * st.plan.pp
+    grads, params = st.psi * 4.0, st.psi * float(st.elem)
+    buckets = bucket_count(st.psi) if stage < 3 else st.spec.layers + 1
+
+    def item(name: str, op: str, nbytes: float, times: int, window: str | None) -> TimeItem:
+        link = st.hw.link(op, n, stride)
+        seconds = times * ring_seconds(op, nbytes, n, link.bandwidth, link.latency, buckets)
+        return TimeItem(name, "comm", seconds, window=window, axis="dp", count=times * buckets,
+                        nbytes=times * nbytes, note=op)
+
+    if stage == 0:
+        return [item("gradient all-reduce", "all_reduce", grads, 1, "backward_last")]
+    if stage == 1:
+        return [item("gradient reduce-scatter", "reduce_scatter", grads, 1, "backward_last"),
+                item("parameter all-gather", "all_gather", params, 1, None)]
+    if stage == 2:
+        return [item("gradient reduce-scatter", "reduce_scatter", grads, m, "backward"),
+                item("parameter all-gather", "all_gather", params, 1, None)]
+    return [item("forward parameter all-gather", "all_gather", params, m, "forward"),
+            item("backward parameter all-gather", "all_gather", params, m, "backward"),
+            item("gradient reduce-scatter", "reduce_scatter", grads, 1, "backward_last")]
+
+
+def overhead(st: Setting) -> list[TimeItem]:
+    ov = st.hw.overhead_for(st.plan.zero_stage)
+    m = st.microbatches
+    return [TimeItem("fixed overhead", "overhead",
+                     ov.step + m * (ov.micro + st.spec.layers * ov.layer),
+                     note="per step + per micro-batch + per layer and micro-batch")]
