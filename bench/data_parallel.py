@@ -24,30 +24,23 @@ FORMULA_BYTES = {  # bytes per parameter on one of N ranks: (params, grads, opti
 
 
 def _model(layers: int, hidden: int, seq: int):
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from kernels_runtime.calibrate.trial import build_model
 
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=256, n_positions=seq, n_embd=hidden, n_layer=layers,
-                     n_head=max(1, hidden // 64), resid_pdrop=0.0, embd_pdrop=0.0,
-                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(cfg)
+    return build_model({"model_type": "gpt2", "vocab": 256, "seq": seq, "hidden": hidden,
+                        "layers": layers, "heads": max(1, hidden // 64),
+                        "attention": "sdpa"})
 
 
 def _batch(step: int, rank: int, batch: int, seq: int):
-    import torch
+    from kernels_runtime.calibrate.trial import token_batch
 
-    g = torch.Generator().manual_seed(step * 1000 + rank)
-    x = torch.randint(0, 256, (batch, seq + 1), generator=g)
-    return x[:, :-1], x[:, 1:].contiguous()
+    return token_batch(step, rank, batch, seq)
 
 
 def _loss(model, batch):
-    import torch
+    from kernels_runtime.calibrate.trial import next_token_loss
 
-    x, y = batch
-    logits = model(input_ids=x).logits
-    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), y.reshape(-1))
+    return next_token_loss(model, batch)
 
 
 def _time_steps(step_fn, warmup: int, steps: int) -> float:

@@ -49,26 +49,13 @@ def _spec(args: argparse.Namespace):
                      model_type="gpt2", attention="sdpa", activation="gelu_new")
 
 
-def _measure_memory(model, bopt, blocks, micro) -> dict:
-    """Model states at their peak + activations kept by one micro-batch (module docstring)."""
-    from kernels_runtime.saved_activations import peak_saved_bytes
-
-    def step() -> None:
-        bopt.backward(_loss(model, micro))
-        bopt._finish_grad_sync()
-
-    activations = peak_saved_bytes(step, blocks)
-    states = bopt.memory_breakdown()  # after backward: gradients reduced, states built
-    bopt.zero_grad()
-    return {**states, "activations": activations}
-
-
 def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
 
     from kernels_runtime.api import parallelize, train_step
     from kernels_runtime.calibrate import measure
+    from kernels_runtime.calibrate.trial import measure_memory
     from kernels_runtime.mesh.context import ParallelContext
     from kernels_runtime.policies import get_policy
     from workbench.planner import predict, recommend
@@ -114,7 +101,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
     memory = {}
     for plan, (model, bopt, blocks, p) in runs.items():
         train_step(model, bopt, microbatches(0, p.microbatches), _loss)  # warm-up, states built
-        memory[plan] = _measure_memory(model, bopt, blocks, microbatches(1, p.microbatches)[0])
+        memory[plan] = measure_memory(model, bopt, blocks, microbatches(1, p.microbatches)[0])
     times: dict[str, list[float]] = {plan: [] for plan in plans}
     order = list(runs)
     # consecutive steps per round: about args.round_s seconds of each plan, so that one burst of

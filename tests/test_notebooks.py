@@ -83,3 +83,21 @@ def test_checkpoint_and_resume_continues_the_losses_under_another_plan(tmp_path,
         p.name for p in (checkpoints / "gpt2-resume-hf").iterdir()}
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o["output_type"] == "error"]
     assert not errors
+
+
+def test_plan_tuning_recommends_measures_and_sets_the_default(tmp_path):
+    import re
+
+    echo = io.StringIO()
+    run_notebook(NOTEBOOKS / "02_plan_tuning.ipynb", timeout_s=600, echo=echo, workdir=tmp_path)
+    text = echo.getvalue()
+    assert "calibrated cpu x2 (gloo)" in text
+    assert re.search(r"^1\. dp=2 zero=\d", text, re.M)  # the recommendation, explained
+    # the invalid plan showed Plan.validate's words and Measure did nothing
+    assert "dp*tp*pp*sp = 4*1*1*1 = 4 but the pool has 2 ranks" in text
+    assert "Not measured: the plan is invalid" in text
+    measured = re.findall(r"measured +(\d+\.\d) ms; memory predicted +(\S+) MiB, measured "
+                          r"+(\S+) MiB", text)
+    assert len(measured) == 4 and all(float(t) > 0 for t, _, _ in measured)
+    assert "this cell runs under: dp=2" in text  # Use this plan reached a later cell
+    assert "8 ranks of H100 SXM" in text

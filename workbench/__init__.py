@@ -17,7 +17,15 @@ from workbench.planner import recommend as recommend  # re-export: workbench.rec
 from workbench.pool import Pool, RankStatus
 
 __all__ = ["Pool", "PoolError", "RankFailureError", "RankStatus", "dashboard",
-           "load_ipython_extension"]
+           "load_ipython_extension", "recommend", "tune"]
+
+
+def tune(model: Any, **options: Any) -> Any:
+    """Show the plan tuner widget for ``model``; see ``workbench.tuner.tune`` (imported here on
+    first use: ipywidgets is not needed to import the workbench)."""
+    from workbench.tuner import tune as make
+
+    return make(model, **options)
 
 
 def load_ipython_extension(ip: Any) -> None:

@@ -1,0 +1,86 @@
+"""One widget per ``Plan`` field, and the plan those widgets describe.
+
+The tuner offers every field, including combinations the runtime refuses: moving a control to
+an impossible plan must show why (``Plan.validate``'s own words), not hide the option. Choices
+are the values a user would try for the pool's world size; anything else is one ``Plan.parse``
+away in a ``%%colossal --plan`` line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import ipywidgets as widgets
+
+from kernels_runtime.mesh.plan import (
+    OFFLOADS,
+    PP_SCHEDULES,
+    PRECISIONS,
+    SP_MODES,
+    TP_MODES,
+    Plan,
+)
+
+LABELS = {  # field -> what the control says
+    "dp": "data parallel (dp)",
+    "tp": "tensor parallel (tp)",
+    "pp": "pipeline stages (pp)",
+    "sp": "sequence parallel (sp)",
+    "tp_mode": "tp mode",
+    "tp_depth": "tp depth (2.5d)",
+    "sp_mode": "sp mode",
+    "zero_stage": "ZeRO stage",
+    "offload": "offload",
+    "precision": "precision",
+    "microbatches": "micro-batches",
+    "pp_schedule": "pp schedule",
+    "activation_checkpointing": "activation checkpointing",
+}
+
+
+def degree_choices(world_size: int) -> list[int]:
+    """Degrees worth trying on ``world_size`` ranks: its divisors, powers of two up to it, and
+    one step past it (so the out-of-range message can be seen)."""
+    values = {d for d in range(1, world_size + 1) if world_size % d == 0}
+    values |= {2**k for k in range(0, world_size.bit_length() + 1)}
+    return sorted(values)
+
+
+def choices(world_size: int) -> dict[str, list[tuple[str, Any]]]:
+    """(label, value) options of each dropdown field."""
+    degrees = [(str(d), d) for d in degree_choices(world_size)]
+    named = {"tp_mode": TP_MODES, "sp_mode": SP_MODES, "offload": OFFLOADS,
+             "precision": PRECISIONS, "pp_schedule": PP_SCHEDULES}
+    out: dict[str, list[tuple[str, Any]]] = {k: [(v, v) for v in vals] for k, vals in named.items()}
+    out.update(dp=[("auto", None), *degrees], tp=degrees, pp=degrees, sp=degrees,
+               tp_depth=[(str(d), d) for d in (1, 2, 4)],
+               zero_stage=[(str(z), z) for z in range(4)],
+               microbatches=[(str(m), m) for m in (1, 2, 4, 8, 16)])
+    return out
+
+
+def make_controls(world_size: int, initial: Plan) -> dict[str, widgets.ValueWidget]:
+    """A control for every ``Plan`` field, set to ``initial``'s values."""
+    options = choices(world_size)
+    style = {"description_width": "11em"}
+    layout = widgets.Layout(width="21em")
+    controls: dict[str, widgets.ValueWidget] = {}
+    for f in fields(Plan):
+        value = getattr(initial, f.name)
+        if f.name == "activation_checkpointing":
+            controls[f.name] = widgets.Checkbox(value=bool(value), description=LABELS[f.name],
+                                                style=style, layout=layout, indent=True)
+            continue
+        opts = list(options[f.name])
+        if all(v != value for _, v in opts):  # a value the menu lacks (from a given plan)
+            opts.append((str(value), value))
+        controls[f.name] = widgets.Dropdown(options=opts, value=value,
+                                            description=LABELS[f.name], style=style,
+                                            layout=layout)
+    return controls
+
+
+def plan_from(values: dict[str, Any]) -> Plan:
+    """The (unvalidated) plan of the controls' values."""
+    return Plan(**values)
