@@ -1,8 +1,9 @@
-"""The ``workbench`` command: run the demo, execute notebooks headless, show the version."""
+"""The ``workbench`` command: run the demo, execute notebooks headless, open JupyterLab."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -32,6 +33,40 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return _cmd_run(args)
 
 
+def lab_command(args: argparse.Namespace) -> list[str]:
+    """The JupyterLab command line: our notebooks as the root, root-safe, extra args last."""
+    root = args.notebook_dir
+    if root is None:
+        notebooks = REPO_ROOT / "notebooks"
+        root = notebooks if notebooks.is_dir() else Path.cwd()
+    cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={Path(root).resolve()}"]
+    if args.port is not None:
+        cmd.append(f"--ServerApp.port={args.port}")
+    if args.no_browser:
+        cmd.append("--no-browser")
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-root")  # containers and CI run as root; Jupyter refuses otherwise
+    return cmd + list(args.lab_args)
+
+
+def _labextension_installed() -> bool:
+    from jupyter_core.paths import jupyter_path
+
+    return any((Path(d) / "colossal-workbench" / "package.json").is_file()
+               for d in jupyter_path("labextensions"))
+
+
+def _cmd_lab(args: argparse.Namespace) -> int:
+    if not _labextension_installed():
+        print("warning: the colossal-workbench JupyterLab extension is not installed (no "
+              "share/jupyter/labextensions/colossal-workbench); install the package with "
+              "`pip install .` or `make lab`", file=sys.stderr)
+    cmd = lab_command(args)
+    print("==", " ".join(cmd), flush=True)
+    os.execv(cmd[0], cmd)  # JupyterLab takes over this process: Ctrl-C and signals go to it
+    return 0  # not reached
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
     parser.add_argument("--version", action="version", version=f"colossal-workbench {__version__}")
@@ -45,7 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--timeout", type=int, default=900, help="seconds per cell")
     run.add_argument("--save", type=Path, default=None, help="write the executed notebook here")
     run.set_defaults(func=_cmd_run)
-    args = parser.parse_args(argv)
+    lab = sub.add_parser(
+        "lab", help="open JupyterLab on the notebooks with the Colossal sidebar; other "
+        "arguments (e.g. --ServerApp.token=...) go to JupyterLab")
+    lab.add_argument("--port", type=int, default=None, help="port to serve on")
+    lab.add_argument("--no-browser", action="store_true", help="do not open a browser")
+    lab.add_argument("--notebook-dir", type=Path, default=None,
+                     help="root folder (default: the repository's notebooks/)")
+    lab.set_defaults(func=_cmd_lab)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "lab":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.lab_args = extra
     return args.func(args)
 
 

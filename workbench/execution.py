@@ -15,7 +15,9 @@ Failure policy, chosen so the notebook never hangs:
 Live data: what ranks publish with datapub (``AsyncResult.data``, the latest value per key) is
 handed to an optional ``data_sink`` from the same loop, at most every ``data_interval_s``, and
 once more with ``final=True`` when the cell has ended, whatever the outcome. The dashboard is
-such a sink; a sink that raises is dropped with a note, never failing the cell.
+such a sink; a sink that raises is dropped with a note, never failing the cell. The same data
+goes to the pool's state file (``pool.state``, rate-limited there), which is how the JupyterLab
+sidebar knows a pool is busy and how its dashboard page plots a cell while it runs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 from ipyparallel.error import RemoteError
 
 from workbench.errors import PoolError, RankError, RankFailureError, describe_exit
+from workbench.lab.state import PoolStateFile
 from workbench.pool import Pool
 
 StreamSink = Callable[[int, str, str], None]  # (rank, "stdout"|"stderr", text)
@@ -71,16 +74,19 @@ class _DataForwarder:
     """Hand each rank's latest published data to ``sink``, rate-limited."""
 
     def __init__(self, ranks: list[int], metadata: list[dict], sink: DataSink | None,
-                 interval_s: float, stream: StreamSink) -> None:
+                 interval_s: float, stream: StreamSink, state: PoolStateFile) -> None:
         self.ranks, self.metadata, self.sink = ranks, metadata, sink
-        self.interval_s, self.stream = interval_s, stream
+        self.interval_s, self.stream, self.state = interval_s, stream, state
         self.last = float("-inf")
 
     def poll(self, now: float, final: bool = False) -> None:
-        if self.sink is None or (not final and now - self.last < self.interval_s):
+        if not final and now - self.last < self.interval_s:
             return
         self.last = now
         data = {r: dict(m.get("data") or {}) for r, m in zip(self.ranks, self.metadata)}
+        self.state.cell_data(data, final)  # never raises
+        if self.sink is None:
+            return
         try:
             self.sink(data, final)
         except Exception as err:  # live plots are a view; the cell's outcome must not depend
@@ -131,12 +137,32 @@ def run_cell(
     if pool.needs_reset:
         pool.reset_process_group()
         pool.needs_reset = False
+    pool.state.cell_started(_label(code), ranks)
+    try:
+        outcome = _run(pool, code, ranks, stream, display, timeout_s, failure_grace_s,
+                       interrupt_wait_s, data_sink, data_interval_s)
+    except BaseException:
+        pool.state.cell_finished(failed=True)
+        raise
+    pool.state.cell_finished()
+    return outcome
+
+
+def _label(code: str) -> str:
+    """The cell's first non-empty line, for the sidebar and the dashboard page."""
+    line = next((ln.strip() for ln in code.splitlines() if ln.strip()), "")
+    return line if len(line) <= 80 else line[:77] + "..."
+
+
+def _run(pool: Pool, code: str, ranks: list[int], stream: StreamSink, display: DisplaySink,
+         timeout_s: float | None, failure_grace_s: float, interrupt_wait_s: float,
+         data_sink: DataSink | None, data_interval_s: float) -> CellOutcome:
     t0 = time.perf_counter()
     ar = pool.view(ranks).execute(code, silent=False, block=False)
     md = ar.metadata
     md = [md] if isinstance(md, dict) else md
     out = _OutputForwarder(ranks, md, stream, display)
-    data = _DataForwarder(ranks, md, data_sink, data_interval_s, stream)
+    data = _DataForwarder(ranks, md, data_sink, data_interval_s, stream, pool.state)
     first_failure: float | None = None
     try:
         while not ar.wait(POLL_S):

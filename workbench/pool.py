@@ -10,12 +10,16 @@ module turns them into ranks of one torch.distributed world:
   ids change on every restart;
 - the process group created on every rank at start, and re-created after a failed cell.
 
+Inside a Jupyter kernel the pool also publishes its state (ranks, devices, memory, busy/idle)
+to a small file that the JupyterLab extension's server reads (``workbench.lab.state``).
+
 Lifecycle methods are async-first with blocking twins: ``start_async``/``start`` and so on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import time
@@ -28,6 +32,7 @@ import ipyparallel as ipp
 from workbench import engine_calls
 from workbench._async import LoopThread
 from workbench.errors import PoolError
+from workbench.lab.state import PoolStateFile, rank_row
 from workbench.launchers import LauncherSpec, resolve_launcher
 
 log = logging.getLogger("workbench.pool")
@@ -80,6 +85,8 @@ class Pool:
     controller_ip: address the controller binds to. Defaults to 127.0.0.1; remote launchers
         require it explicitly, since binding beyond loopback exposes the controller.
     collective_timeout_s: a collective that does not complete within this raises on the rank.
+    publish_state: write the pool-state file for the JupyterLab extension; by default only
+        inside a Jupyter kernel.
     """
 
     def __init__(
@@ -91,6 +98,7 @@ class Pool:
         controller_ip: str | None = None,
         collective_timeout_s: float = 60.0,
         start_timeout_s: float = 120.0,
+        publish_state: bool | None = None,
         **cluster_kwargs: Any,
     ) -> None:
         if n is not None and n < 1:
@@ -111,6 +119,8 @@ class Pool:
         self._engine_sets: list[str] = []
         self.needs_reset = False  # set after a failed cell: re-create the group before the next
         self._loop = LoopThread()
+        self.state = PoolStateFile(publish_state)
+        atexit.register(self.state.remove)  # a kernel that exits takes its pool file along
 
     # ---- properties -------------------------------------------------------------------
     @property
@@ -145,6 +155,14 @@ class Pool:
         n = self.requested_n or (self.gpus if self.gpus else 2)
         if self.requested_backend == "nccl" and not self.gpus:
             raise PoolError("backend='nccl' needs GPUs but none is visible; use backend='gloo'")
+        self.state.update("starting", error=None, world_size=n, ranks=[],
+                          launcher=self.launcher.engines, backend=self.requested_backend or "")
+        async with self._publishing():
+            await self._start_cluster(n)
+        log.info("pool of %d ranks started in %.1f s", n, time.perf_counter() - t0)
+        return self
+
+    async def _start_cluster(self, n: int) -> None:
         kwargs = dict(self.cluster_kwargs)
         # The hub admits an engine only after its first heartbeat; ipyparallel's 3 s period
         # made every start and restart wait that long.
@@ -160,8 +178,6 @@ class Pool:
         await self._start_engines(n)  # engines boot while the client connects
         self.client = await self.cluster.connect_client()
         await self._bootstrap(n, set())
-        log.info("pool of %d ranks started in %.1f s", n, time.perf_counter() - t0)
-        return self
 
     async def _start_engines(self, n: int) -> None:
         assert self.cluster is not None
@@ -252,22 +268,43 @@ class Pool:
             return await self.start_async()
         n = self.world_size or self.requested_n or 2
         old = set(self.client.ids) | set(self.engine_ids)
-        with _quiet(self.cluster):
-            for set_id in self._engine_sets:
-                try:
-                    await self.cluster.stop_engines(set_id)
-                except Exception as e:  # an engine set whose engines all died already
-                    log.debug("stopping engine set %s: %s", set_id, e)
-        self._engine_sets.clear()
-        self.engine_ids, self.ranks_info = [], []
-        await self._start_engines(n)
-        await self._bootstrap(n, old)
+        self.state.update("restarting", error=None, ranks=[])
+        async with self._publishing():
+            with _quiet(self.cluster):
+                for set_id in self._engine_sets:
+                    try:
+                        await self.cluster.stop_engines(set_id)
+                    except Exception as e:  # an engine set whose engines all died already
+                        log.debug("stopping engine set %s: %s", set_id, e)
+            self._engine_sets.clear()
+            self.engine_ids, self.ranks_info = [], []
+            await self._start_engines(n)
+            await self._bootstrap(n, old)
         self.needs_reset = False
         return self
+
+    @contextlib.asynccontextmanager
+    async def _publishing(self) -> Any:
+        """Publish "running" with the ranks after a (re)start, "failed" with the error."""
+        try:
+            yield
+        except BaseException as e:
+            self.state.update("failed", error=f"{type(e).__name__}: {e}")
+            raise
+        self.publish_ranks("running")
+
+    def publish_ranks(self, state: str | None = None, busy: frozenset[int] = frozenset(),
+                      dead: frozenset[int] = frozenset()) -> None:
+        """Write the pool-state file with every rank's row (a no-op outside a kernel)."""
+        rows = [rank_row(self.ranks_info[r], r, e,
+                         "dead" if r in dead else "busy" if r in busy else "idle")
+                for r, e in enumerate(self.engine_ids) if r < len(self.ranks_info)]
+        self.state.update(state, ranks=rows, world_size=self.world_size, backend=self.backend)
 
     async def stop_async(self) -> None:
         if self.cluster is None:
             return
+        self.state.update("stopping")
         if self.client is not None and self.engine_ids:
             alive = [e for e in self.engine_ids if e in self.client.ids]
             if alive:
@@ -281,6 +318,7 @@ class Pool:
         finally:
             self.cluster, self.client = None, None
             self.engine_ids, self.ranks_info, self._engine_sets = [], [], []
+            self.state.update("stopped", ranks=[], world_size=0, cell=None)
 
     # ---- sync twins -------------------------------------------------------------------
     def start(self) -> Pool:
@@ -354,6 +392,8 @@ class Pool:
                     memory=info.get("memory", {}),
                 )
             )
+        self.publish_ranks(busy=frozenset(r.rank for r in rows if r.state == "busy"),
+                           dead=frozenset(dead))
         return rows
 
     def _require_started(self) -> None:

@@ -1,0 +1,140 @@
+"""Pool-state files and the ``workbench lab`` command line, without a server.
+
+What is protected: a pool started outside a kernel writes nothing unless asked; with
+publishing on, the file follows the pool through start, a cell (busy, telemetry, idle), stop
+and removal; a file of a dead process is never listed and gets deleted; a malformed pool id
+cannot name a file; the server extension module does not import torch; ``workbench lab``
+builds the JupyterLab command the README promises.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+from workbench.lab import state
+from workbench.lab.state import PoolStateFile, read_pool, read_pools
+
+
+@pytest.fixture
+def runtime(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
+    return tmp_path / "workbench"
+
+
+def _snapshot(seq: int, steps: int) -> dict:
+    return {"colossal_telemetry": {
+        "seq": seq, "time": 1000.0 + seq, "steps": steps,
+        "seconds": {"step": 1.0, "compute": 0.5, "comm": 0.25, "waiting": 0.25},
+        "throughput": {"tokens_per_s": 100.0 * steps},
+        "memory": {"device_allocated": 0, "host_rss": 123 << 20, "disk_spill": 7},
+        "comm_by_axis": {"world": {"bytes": 64 * steps}},
+    }}
+
+
+def test_outside_a_kernel_nothing_is_written(runtime):
+    published = PoolStateFile()
+    assert published.kernel_id is None and not published.enabled
+    published.update("starting")
+    assert not runtime.exists()
+
+
+def test_file_follows_the_pool_through_a_cell(runtime):
+    f = PoolStateFile(enabled=True, min_interval_s=0.0)
+    f.update("running", world_size=2, ranks=[
+        state.rank_row({"host": "h", "pid": 1, "device": "cpu", "backend": "gloo",
+                        "memory": {"host_rss": 5}}, r, 10 + r, "idle") for r in (0, 1)])
+    [doc] = read_pools()
+    assert doc["id"] == f.pool_id and doc["pid"] == os.getpid() and doc["state"] == "running"
+    assert doc["ranks"][1]["memory"] == {"device": 0, "host": 5, "disk": 0}
+
+    f.cell_started("train()", [0, 1])
+    assert read_pool(f.pool_id)["state"] == "busy"
+    for seq in (1, 2, 3):
+        f.cell_data({0: _snapshot(seq, seq), 1: _snapshot(seq, seq)})
+    doc = read_pool(f.pool_id)
+    cell = doc["cell"]
+    assert cell["running"] and cell["points"] == 3 and cell["series"]["t"] == sorted(
+        cell["series"]["t"])
+    assert cell["series"]["tokens_per_s"]["1"] == [100.0, 200.0, 300.0]
+    assert cell["series"]["comm_bytes"]["world"] == [128, 256, 384]
+    assert {r["state"] for r in doc["ranks"]} == {"busy"}
+    assert doc["ranks"][0]["memory"] == {"device": 0, "host": 123 << 20, "disk": 7}
+
+    f.cell_data({0: _snapshot(4, 4), 1: _snapshot(4, 4)}, final=True)
+    f.cell_finished()
+    doc = read_pool(f.pool_id)
+    assert doc["state"] == "running" and not doc["cell"]["running"]
+    assert {r["state"] for r in doc["ranks"]} == {"idle"}
+
+    f.update("stopped", ranks=[])
+    assert read_pool(f.pool_id)["state"] == "stopped"
+    f.remove()
+    assert read_pools() == []
+
+
+def test_writes_during_a_cell_are_rate_limited(runtime):
+    f = PoolStateFile(enabled=True, min_interval_s=60.0)
+    f.update("running")
+    f.cell_started("x", [0])
+    for seq in range(1, 20):
+        f.cell_data({0: _snapshot(seq, seq)})
+    assert read_pool(f.pool_id)["cell"]["points"] == 0  # nothing since the forced write
+    f.cell_data({0: _snapshot(20, 20)}, final=True)  # the end of a cell is always written
+    assert read_pool(f.pool_id)["cell"]["points"] == 20
+
+
+def test_files_of_dead_processes_are_dropped(runtime):
+    f = PoolStateFile(enabled=True)
+    f.update("running")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    doc = json.loads(f.path.read_text())
+    doc.update(id="0000000000aa", pid=int(dead.stdout))
+    stale = runtime / "pool-0000000000aa.json"
+    stale.write_text(json.dumps(doc))
+    assert read_pool("0000000000aa") is None
+    assert [d["id"] for d in read_pools()] == [f.pool_id]
+    assert not stale.exists()
+
+
+def test_malformed_ids_name_no_file(runtime):
+    runtime.mkdir(parents=True)
+    (runtime / "pool-..json").write_text("{}")
+    for bad in ("..", "../etc/passwd", "ABCDEF012345", "0123456789abc", ""):
+        assert read_pool(bad) is None
+
+
+def test_a_new_pool_replaces_the_ended_pools_of_its_process(runtime):
+    old = PoolStateFile(enabled=True)
+    old.update("failed", error="PoolError: boom")
+    new = PoolStateFile(enabled=True)
+    new.update("starting")
+    assert [d["id"] for d in read_pools()] == [new.pool_id]
+
+
+def test_server_extension_does_not_import_torch():
+    code = ("import sys, workbench.lab.handlers, workbench.lab.actions; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False", out
+
+
+def test_lab_command_line():
+    from workbench.cli import REPO_ROOT, lab_command
+
+    args = Namespace(notebook_dir=None, port=9999, no_browser=True,
+                     lab_args=["--IdentityProvider.token=t"])
+    cmd = lab_command(args)
+    assert cmd[:3] == [sys.executable, "-m", "jupyterlab"]
+    assert f"--ServerApp.root_dir={REPO_ROOT / 'notebooks'}" in cmd
+    assert "--ServerApp.port=9999" in cmd and "--no-browser" in cmd
+    assert ("--allow-root" in cmd) == (os.geteuid() == 0)
+    assert cmd[-1] == "--IdentityProvider.token=t"

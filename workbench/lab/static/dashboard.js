@@ -1,0 +1,94 @@
+// The live dashboard page: poll the pool's JSON and redraw four plotly charts.
+// Memory per tier and the step-time split are per rank (latest values); tokens/s per rank
+// and bytes per mesh axis are time series of the running (or last) %%colossal cell.
+(function () {
+  'use strict';
+  const cfg = window.COLOSSAL;
+  const url = cfg.baseUrl + 'workbench/pools/' + encodeURIComponent(cfg.poolId);
+  const status = document.getElementById('status');
+  const plotConfig = { displaylogo: false, responsive: true };
+  document.getElementById('pool-id').textContent = cfg.poolId;
+
+  function layout(title, ytitle, extra) {
+    return Object.assign({
+      title: { text: title, font: { size: 14 } },
+      margin: { l: 60, r: 20, t: 40, b: 40 },
+      yaxis: { title: { text: ytitle } },
+      legend: { orientation: 'h' }
+    }, extra || {});
+  }
+
+  function stateLabel(doc) {
+    if (doc.state === 'running') { return 'idle'; }
+    return doc.state;
+  }
+
+  function render(doc) {
+    const cell = doc.cell;
+    const series = cell ? cell.series : { t: [], tokens_per_s: {}, comm_bytes: {} };
+    const ranks = doc.ranks.length ? doc.ranks.map(r => r.rank)
+      : (cell ? cell.ranks : []);
+    const names = ranks.map(r => 'rank ' + r);
+    const latest = cell ? cell.latest : {};
+    const memOf = r => {
+      const live = latest[String(r)];
+      const row = doc.ranks.find(x => x.rank === r);
+      return (live && live.memory) || (row && row.memory) || { device: 0, host: 0, disk: 0 };
+    };
+    const tiers = ['device', 'host', 'disk'].map(tier => ({
+      type: 'bar', name: tier, x: names, y: ranks.map(r => memOf(r)[tier])
+    }));
+    Plotly.react('memory', tiers, layout('memory per tier', 'bytes', { barmode: 'group' }),
+      plotConfig);
+    const parts = ['compute', 'comm', 'waiting'].map(part => ({
+      type: 'bar', name: part, x: names,
+      y: ranks.map(r => ((latest[String(r)] || {}).seconds || {})[part] || 0)
+    }));
+    Plotly.react('split', parts, layout('step time split (cumulative)', 'seconds',
+      { barmode: 'stack' }), plotConfig);
+    const tokens = Object.keys(series.tokens_per_s).map(r => ({
+      type: 'scatter', mode: 'lines+markers', name: 'rank ' + r, x: series.t,
+      y: series.tokens_per_s[r]
+    }));
+    Plotly.react('tokens', tokens, layout('tokens/s per rank', 'tokens/s',
+      { xaxis: { title: { text: 'seconds into the cell' } } }), plotConfig);
+    const comm = Object.keys(series.comm_bytes).map(axis => ({
+      type: 'scatter', mode: 'lines', name: axis, x: series.t, y: series.comm_bytes[axis]
+    }));
+    Plotly.react('comm', comm, layout('bytes communicated per axis', 'bytes',
+      { xaxis: { title: { text: 'seconds into the cell' } } }), plotConfig);
+
+    let text = doc.world_size + ' ranks, ' + stateLabel(doc);
+    if (doc.error) { text += ' (' + doc.error + ')'; }
+    if (cell) {
+      text += ' | cell ' + (cell.running ? 'running' : 'finished') + ': ' + cell.label +
+        ' (' + cell.elapsed.toFixed(1) + ' s, ' + series.t.length + ' points)';
+    }
+    status.textContent = text;
+    status.dataset.state = doc.state;
+    status.dataset.points = String(series.t.length);
+    status.dataset.cellRunning = cell && cell.running ? 'true' : 'false';
+  }
+
+  async function tick() {
+    let delay = 2000;
+    try {
+      const response = await fetch(url, { credentials: 'same-origin' });
+      if (response.status === 404) {
+        status.textContent = 'this pool is gone (its kernel ended or it was replaced)';
+        status.dataset.state = 'gone';
+        delay = 5000;
+      } else if (!response.ok) {
+        status.textContent = 'server answered ' + response.status;
+      } else {
+        const doc = await response.json();
+        render(doc);
+        delay = doc.state === 'busy' ? 500 : 2000;
+      }
+    } catch (err) {
+      status.textContent = 'cannot reach the server: ' + err;
+    }
+    setTimeout(tick, delay);
+  }
+  tick();
+})();
