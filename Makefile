@@ -6,11 +6,19 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+EXTENSION := $(wildcard extension/src/*.ts extension/style/*) extension/package.json \
+	extension/yarn.lock extension/tsconfig.json
 
-$(STAMP): pyproject.toml
+.PHONY: demo test lint bench lab clean
+
+# The install builds the JupyterLab extension (extension/ -> workbench/lab/labextension, by the
+# hatch-jupyter-builder hook: jlpm install + jlpm build:prod; needs Node.js >= 18 and the npm
+# registry) and copies it into the venv's share/jupyter/labextensions. The old bundle is removed
+# first so that any change to the extension's sources is rebuilt.
+$(STAMP): pyproject.toml $(EXTENSION)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH)
+	rm -rf workbench/lab/labextension
 	$(BIN)/pip install -q -e ".[test]"
 	touch $(STAMP)
 
@@ -24,5 +32,8 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench all
 
+lab: $(STAMP)
+	$(BIN)/workbench lab
+
 clean:
-	rm -rf $(VENV) artifacts
+	rm -rf $(VENV) artifacts extension/node_modules extension/lib workbench/lab/labextension
