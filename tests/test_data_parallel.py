@@ -187,3 +187,37 @@ def test_gradient_reduction_starts_during_backward():
     assert stats["buckets"] >= 4
     assert stats["during_backward"] >= stats["buckets"] - 1, stats
     assert "no_sync" in stats.get("second_backward", ""), stats
+
+
+def _zero3_traffic(rank: int, world: int) -> dict:
+    import torch
+
+    from kernels_runtime.api import parallelize, train_step
+    from kernels_runtime.calibrate.trial import build_model, next_token_loss, token_batch
+    from kernels_runtime.mesh.context import ParallelContext
+
+    ctx = ParallelContext.build(f"dp={world} zero=3")
+    model = build_model({"model_type": "gpt2", "vocab": 256, "seq": 32, "hidden": 64,
+                         "layers": 2, "heads": 2, "attention": "sdpa"})
+    numel = sum(p.numel() for p in model.parameters())
+    block_numel = sum(p.numel() for p in model.transformer.h.parameters())
+    model, boosted = parallelize(model, torch.optim.AdamW(model.parameters()), ctx=ctx)
+    train_step(model, boosted, [token_batch(0, rank, 4, 32)], next_token_loss)  # warm-up
+    ctx.comm.stats.reset()
+    for step in range(1, 4):
+        train_step(model, boosted, [token_batch(step, rank, 4, 32)], next_token_loss)
+    return {"stats": ctx.comm.stats.snapshot(), "numel": numel, "block_numel": block_numel}
+
+
+def test_zero3_collectives_reach_the_telemetry():
+    """FSDP2's all-gathers and reduce-scatters go through the instrumented collectives: per step
+    every fp32 gradient is reduce-scattered once (3 units: 2 blocks + root) and every shard is
+    gathered in forward, the blocks' once more in backward (the root stays gathered)."""
+    world, steps = 2, 3
+    result = run_ranks(_zero3_traffic, world)[0]
+    stats, numel, blocks = result["stats"], result["numel"], result["block_numel"]
+    rs, ag = stats["reduce_scatter"]["dp"], stats["all_gather"]["dp"]
+    assert rs["calls"] == 3 * steps and rs["bytes"] == steps * numel * 4
+    assert ag["calls"] == 5 * steps
+    assert ag["bytes"] == steps * (numel + blocks) * 4 // world
+    assert rs["seconds"] > 0 and ag["seconds"] > 0

@@ -28,6 +28,7 @@ from kernels_runtime.api.optimizer import (
     tensor_bytes,
 )
 from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.parallel.data.fsdp_comms import record_fsdp_comms
 from kernels_runtime.precision import compute_dtype
 
 
@@ -45,6 +46,7 @@ def shard_model(model: nn.Module, blocks: list[nn.Module], ctx: ParallelContext,
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    record_fsdp_comms([*blocks, model], ctx.comm)  # telemetry sees ZeRO-3's traffic too
     return model
 
 
