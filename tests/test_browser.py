@@ -1,0 +1,164 @@
+"""The playground in a real browser: JupyterLab (``workbench lab``) with our extension, driven
+through Debian's Chromium by Playwright, the way a user clicks through it.
+
+What is protected: the quickstart notebook runs top to bottom from the UI ("Run All Cells"),
+the Colossal sidebar and status bar show the 2-rank pool (busy while a cell runs), the live
+plot under the training cell gains points while that cell is still running, the extension's
+dashboard page gains points while it runs too, and no cell ends in an error. Screenshots go
+to ``artifacts/browser/``.
+
+"While running" is judged inside the page: a sampler (setInterval, 200 ms) records the plot's
+point count next to the cell's prompt ("[*]" while executing) and the sidebar's state, so the
+verdict does not depend on how fast Playwright's round trips are on a loaded 2-core machine.
+
+Chromium comes from apt (``.ci/run`` installs it); Playwright's own browser download is not
+used. Without /usr/bin/chromium the test skips, unless WORKBENCH_REQUIRE_BROWSER is set (CI),
+where a missing browser is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from helpers.jupyter import start_lab, stop_lab
+
+pytestmark = pytest.mark.engines
+CHROMIUM = Path(os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium"))
+ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts" / "browser"
+LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+               "--disable-dev-shm-usage"]
+MS = 1000
+
+# Points drawn in a plotly figure: M/L commands of line traces plus marker paths.
+POINTS_JS = """function points(el) {
+  if (!el) { return 0; }
+  let n = 0;
+  for (const p of el.querySelectorAll('.scatterlayer path.js-line')) {
+    n += ((p.getAttribute('d') || '').match(/[ML]/g) || []).length;
+  }
+  return n + el.querySelectorAll('.scatterlayer path.point').length;
+}"""
+
+# In the notebook: the training cell's plot points, its prompt, the sidebar and status bar.
+NOTEBOOK_SAMPLER = """() => {
+  __POINTS__
+  window.__samples = [];
+  setInterval(() => {
+    const cell = [...document.querySelectorAll('.jp-CodeCell')]
+      .find(c => c.textContent.includes('session.telemetry.step'));
+    const pool = document.querySelector('.jp-Colossal-pool');
+    window.__samples.push({
+      points: points(cell && cell.querySelector('.js-plotly-plot')),
+      prompt: cell ? cell.querySelector('.jp-InputPrompt').textContent : '',
+      sidebar: pool ? pool.dataset.state : '',
+      status: (document.querySelector('.jp-Colossal-status') || {}).textContent || ''
+    });
+  }, 200);
+}""".replace("__POINTS__", POINTS_JS)
+
+DASHBOARD_SAMPLER = """() => {
+  window.__samples = [];
+  setInterval(() => {
+    const s = document.getElementById('status');
+    window.__samples.push({points: +s.dataset.points, running: s.dataset.cellRunning});
+  }, 200);
+}"""
+
+
+def _require_browser() -> None:
+    problems = []
+    if not CHROMIUM.exists():
+        problems.append(f"{CHROMIUM} is missing (apt-get install -y chromium)")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        problems.append("the playwright package is missing (pip install -e '.[test]')")
+    if problems:
+        reason = "browser test: " + "; ".join(problems)
+        if os.environ.get("WORKBENCH_REQUIRE_BROWSER"):
+            pytest.fail(reason + " (WORKBENCH_REQUIRE_BROWSER is set)")
+        pytest.skip(reason)
+
+
+def test_quickstart_runs_in_jupyterlab_with_live_plots(tmp_path):
+    _require_browser()
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    server = start_lab(tmp_path, copy_notebooks=True)
+    console: list[str] = []
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=LAUNCH_ARGS)
+            context = browser.new_context(viewport={"width": 1500, "height": 950})
+            page = context.new_page()
+            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+            try:
+                _run_quickstart(page, server)
+            except BaseException:
+                page.screenshot(path=str(ARTIFACTS / "failure.png"))
+                raise
+            finally:
+                browser.close()
+    except BaseException as err:
+        raise AssertionError(
+            f"{err}\n--- browser console ---\n" + "\n".join(console[-30:])
+            + f"\n--- workbench lab log ---\n{server.log_tail(30)}") from err
+    finally:
+        stop_lab(server)
+
+
+def _run_quickstart(page, server) -> None:
+    page.goto(f"{server.url}/lab/tree/00_quickstart.ipynb?token={server.token}")
+    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90 * MS)
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
+                           timeout=60 * MS)
+    page.click(".jp-SideBar.jp-mod-left .lm-TabBar-tab[data-id='colossal-workbench-sidebar']")
+    sidebar = page.locator("#colossal-workbench-sidebar")
+    sidebar.locator(".jp-Colossal-active").wait_for(timeout=30 * MS)
+    page.evaluate(NOTEBOOK_SAMPLER)
+
+    page.click(".lm-MenuBar-itemLabel:text-is('Run')")
+    page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
+
+    pool = sidebar.locator(".jp-Colossal-pool[data-ranks='2']")
+    pool.wait_for(timeout=120 * MS)
+    assert "2 ranks" in pool.locator(".jp-Colossal-state").inner_text()
+    assert pool.locator(".jp-Colossal-rank").count() == 2
+    page.screenshot(path=str(ARTIFACTS / "1-pool-in-sidebar.png"))
+
+    # the extension's dashboard page, open in a second tab for the rest of the run
+    href = pool.locator(".jp-Colossal-dashboardLink").get_attribute("href")
+    dash = page.context.new_page()
+    dash.goto(href if href.startswith("http") else server.url + href)
+    dash.wait_for_selector("#status[data-state]:not([data-state=''])", timeout=30 * MS)
+    dash.evaluate(DASHBOARD_SAMPLER)
+
+    cell = page.locator(".jp-CodeCell", has_text="session.telemetry.step")
+    cell.locator(".jp-OutputArea-output .js-plotly-plot").first.wait_for(timeout=180 * MS)
+    page.screenshot(path=str(ARTIFACTS / "2-live-plot.png"))
+
+    # the whole notebook ends: the last cell (%colossal stop) has an execution count
+    last_prompt = page.locator(".jp-CodeCell .jp-InputPrompt").last
+    page.wait_for_function("el => /\\[\\d+\\]/.test(el.textContent)",
+                           arg=last_prompt.element_handle(), timeout=180 * MS)
+    dash.screenshot(path=str(ARTIFACTS / "3-dashboard-page.png"))
+    errors = page.locator("[data-mime-type='application/vnd.jupyter.error']")
+    assert errors.count() == 0, errors.first.inner_text()
+    assert "loss went from" in page.locator(".jp-Notebook").inner_text()
+    sidebar.locator(".jp-Colossal-pool[data-state='stopped']").wait_for(timeout=30 * MS)
+    page.screenshot(path=str(ARTIFACTS / "4-notebook-done.png"))
+
+    running = [s for s in page.evaluate("window.__samples") if "*" in s["prompt"]]
+    drawn = sorted({s["points"] for s in running if s["points"] > 0})
+    assert len(drawn) >= 2, f"the live plot did not gain points while the cell ran: {drawn}"
+    busy = [s for s in running if s["points"] > 0 and s["sidebar"] == "busy"]
+    assert busy and any("Colossal: 2 ranks, busy" in s["status"] for s in busy), running[-3:]
+    dash_running = sorted({s["points"] for s in dash.evaluate("window.__samples")
+                           if s["running"] == "true" and s["points"] > 0})
+    assert len(dash_running) >= 2, f"the dashboard page did not move: {dash_running}"
+    print(f"while the cell ran: {len(drawn)} point counts in the notebook's plot, "
+          f"{len(dash_running)} on the dashboard page")
