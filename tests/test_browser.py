@@ -4,7 +4,8 @@ through Debian's Chromium by Playwright, the way a user clicks through it.
 What is protected: the quickstart notebook runs top to bottom from the UI ("Run All Cells"),
 the Colossal sidebar and status bar show the 2-rank pool (busy while a cell runs), the live
 plot under the training cell gains points while that cell is still running, the extension's
-dashboard page gains points while it runs too, and no cell ends in an error. Screenshots go
+dashboard page gains points while it runs too, no cell ends in an error, and the sidebar's
+Start (for the notebook's kernel, with no pool running) and Stop buttons work. Screenshots go
 to ``artifacts/browser/``.
 
 "While running" is judged inside the page: a sampler (setInterval, 200 ms) records the plot's
@@ -151,6 +152,15 @@ def _run_quickstart(page, server) -> None:
     assert "loss went from" in page.locator(".jp-Notebook").inner_text()
     sidebar.locator(".jp-Colossal-pool[data-state='stopped']").wait_for(timeout=30 * MS)
     page.screenshot(path=str(ARTIFACTS / "4-notebook-done.png"))
+
+    # the sidebar's buttons: Start for the notebook's kernel (no pool running), then Stop
+    sidebar.locator(".jp-Colossal-active button[data-action='start']").click()
+    started = sidebar.locator(".jp-Colossal-pool[data-state='running'][data-ranks='2']")
+    started.wait_for(timeout=120 * MS)
+    page.screenshot(path=str(ARTIFACTS / "5-started-from-sidebar.png"))
+    started.locator("button[data-action='stop']").click()
+    sidebar.locator(".jp-Colossal-message", has_text="pool stopped").wait_for(timeout=60 * MS)
+    assert sidebar.locator(".jp-Colossal-pool:not([data-state='stopped'])").count() == 0
 
     running = [s for s in page.evaluate("window.__samples") if "*" in s["prompt"]]
     drawn = sorted({s["points"] for s in running if s["points"] > 0})
