@@ -1,4 +1,5 @@
-# Two commands work on a fresh machine with only Python 3: `make demo` and `make test`.
+# Two commands work on a fresh machine with Python 3 (and Node.js for the lab extension):
+# `make demo` and `make test`.
 # TORCH pins the CPU build for CPU-only machines; on a GPU machine use e.g. `make demo TORCH=torch`.
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,6 +17,8 @@ EXTENSION := $(wildcard extension/src/*.ts extension/style/*) extension/package.
 # registry) and copies it into the venv's share/jupyter/labextensions. The old bundle is removed
 # first so that any change to the extension's sources is rebuilt.
 $(STAMP): pyproject.toml $(EXTENSION)
+	@command -v node >/dev/null || { echo "make: building the JupyterLab extension needs" \
+		"Node.js >= 18 on PATH (e.g. apt-get install nodejs)" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH)
 	rm -rf workbench/lab/labextension

@@ -5,6 +5,7 @@
     GET  /workbench/pools/<pool_id>/dashboard     live dashboard page (polls the route above)
     POST /workbench/pools/<pool_id>/<action>      start | stop | restart, in the owning kernel
     POST /workbench/kernels/<kernel_id>/<action>  the same for a kernel (e.g. no pool yet)
+                                                  body: {"n": ranks (start), "wait": seconds}
     GET  /workbench/static/<name>                 the page's script and plotly.js (offline)
 
 Every verb method carries ``@tornado.web.authenticated``; ``tests/test_lab_server.py`` finds
