@@ -5,8 +5,10 @@ What is protected: the quickstart notebook runs top to bottom from the UI ("Run 
 the Colossal sidebar and status bar show the 2-rank pool (busy while a cell runs), the live
 plot under the training cell gains points while that cell is still running, the extension's
 dashboard page gains points while it runs too, no cell ends in an error, and the sidebar's
-Start (for the notebook's kernel, with no pool running) and Stop buttons work. Screenshots go
-to ``artifacts/browser/``.
+Start (for the notebook's kernel, with no pool running) and Stop buttons work. Then the plan
+tuner widget: choosing values in its dropdowns in the browser (browser-to-kernel widget
+events) re-predicts the plan, and an impossible choice shows ``Plan.validate``'s words.
+Screenshots go to ``artifacts/browser/``.
 
 "While running" is judged inside the page: a sampler (setInterval, 200 ms) records the plot's
 point count next to the cell's prompt ("[*]" while executing) and the sidebar's state, so the
@@ -99,6 +101,7 @@ def test_quickstart_runs_in_jupyterlab_with_live_plots(tmp_path):
             page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
             try:
                 _run_quickstart(page, server)
+                _move_tuner_controls(page, server)
             except BaseException:
                 page.screenshot(path=str(ARTIFACTS / "failure.png"))
                 raise
@@ -172,3 +175,40 @@ def _run_quickstart(page, server) -> None:
     assert len(dash_running) >= 2, f"the dashboard page did not move: {dash_running}"
     print(f"while the cell ran: {len(drawn)} point counts in the notebook's plot, "
           f"{len(dash_running)} on the dashboard page")
+
+
+TUNER_CELL = """import workbench
+
+tuner = workbench.tune({"hidden": 64, "layers": 2, "heads": 2, "vocab": 256, "seq": 64,
+                        "batch": 4, "model_type": "gpt2"}, world_size=2, hardware="H100")
+tuner"""
+
+
+def _move_tuner_controls(page, server) -> None:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(TUNER_CELL)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, server.root / "tuner_check.ipynb")
+    page.goto(f"{server.url}/lab/tree/tuner_check.ipynb?token={server.token}")
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
+                           timeout=60 * MS)
+    page.click(".lm-MenuBar-itemLabel:text-is('Run')")
+    page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
+    prediction = page.locator(".widget-html", has_text="per rank").first
+    prediction.wait_for(timeout=60 * MS)
+    assert "dp=2 zero=0 fp32" in prediction.inner_text()
+
+    def choose(label: str, value: str) -> None:
+        page.locator(f".widget-dropdown:has(label:text-is('{label}')) select").select_option(
+            label=value)
+
+    choose("ZeRO stage", "3")  # the kernel re-predicts: the pane names the new plan
+    page.locator(".widget-html", has_text="dp=2 zero=3 fp32").first.wait_for(timeout=30 * MS)
+    choose("data parallel (dp)", "4")  # impossible on 2 ranks
+    error = page.locator(".workbench-plan-error")
+    error.wait_for(timeout=30 * MS)
+    assert error.inner_text() == ("dp*tp*pp*sp = 4*1*1*1 = 4 but the pool has 2 ranks; make "
+                                  "the product 2, or write dp=auto")
+    page.screenshot(path=str(ARTIFACTS / "6-tuner-invalid-plan.png"))

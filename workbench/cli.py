@@ -30,7 +30,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     args.notebooks, args.save = DEMO_NOTEBOOKS, None
-    return _cmd_run(args)
+    code = _cmd_run(args)
+    if code == 0:
+        print("\nOpen the playground (these notebooks, the Colossal sidebar, live dashboards): "
+              "`make lab` or `workbench lab`")
+    return code
 
 
 def lab_command(args: argparse.Namespace) -> list[str]:
