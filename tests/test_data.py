@@ -198,3 +198,23 @@ def test_distributed_loader_yields_this_ranks_shard():
     first = [b.tolist() for b in loader]
     loader.sampler.set_epoch(1)
     assert [b.tolist() for b in loader] != first
+
+
+def test_train_step_moves_nested_batches_to_the_rank_device():
+    """Loaders yield host tensors; ``to_device`` keeps the batch's structure (dicts, named
+    tuples, lists) and returns CPU tensors unchanged on CPU ranks."""
+    from collections import namedtuple
+
+    import torch
+
+    from kernels_runtime.api.train import to_device
+
+    Pair = namedtuple("Pair", "x y")
+    x = torch.arange(4)
+    batch = {"a": Pair(x, [x, 3]), "b": (x,)}
+    moved = to_device(batch, torch.device("cpu"))
+    assert isinstance(moved["a"], Pair) and isinstance(moved["a"].y, list)
+    assert moved["a"].x is x and moved["a"].y[1] == 3 and moved["b"][0] is x
+    meta = to_device(batch, torch.device("meta"))  # another device: every tensor moves
+    assert meta["a"].x.device.type == "meta" and meta["a"].y[0].device.type == "meta"
+    assert meta["b"][0].device.type == "meta" and meta["a"].y[1] == 3

@@ -57,6 +57,7 @@ def train_step(
     with telemetry.step(tokens=tokens, samples=samples, flops=flops):
         total = torch.zeros((), dtype=torch.float32)
         for i, batch in enumerate(microbatches):
+            batch = to_device(batch, optimizer.ctx.device)
             sync = contextlib.nullcontext() if i == n - 1 else optimizer.no_sync()
             with sync, telemetry.compute():
                 loss = loss_fn(model, batch)
@@ -68,6 +69,20 @@ def train_step(
         optimizer.ctx.comm.all_reduce(mean, group=optimizer.ctx.dp_group)
         loss_value = mean.item() / optimizer.ctx.dp_size
     return StepResult(loss_value, stepped, optimizer.last_grad_norm)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor on ``device`` (tuples, lists, named tuples and dicts kept):
+    data loaders yield host tensors, the model lives on the rank's GPU. A no-op on CPU ranks."""
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return type(batch)((k, to_device(v, device)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
 
 
 def _count(microbatches: Sequence[Any]) -> tuple[int, int, int | None]:
