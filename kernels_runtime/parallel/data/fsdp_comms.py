@@ -44,47 +44,40 @@ class _RecordedWork(dist.Work):
         return self.pending.work is None or self.pending.work.is_completed()
 
 
-def _empty(size: Sequence[int | torch.SymInt], dtype: torch.dtype,
-           device: torch.device) -> torch.Tensor:
-    return torch.empty(*size, dtype=dtype, device=device)
+class _Recorded:
+    """What both callables share: our allocation (plain ``torch.empty``, as FSDP2's default)
+    and how an issued collective is handed back (a waited-on ``dist.Work``, or done)."""
+
+    def __init__(self, comm: Collectives) -> None:
+        self.comm = comm
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    @staticmethod
+    def _finish(pending: PendingOp, async_op: bool) -> dist.Work | None:
+        if async_op:
+            return _RecordedWork(pending)
+        pending.blocking = True  # the caller was blocked since the issue
+        pending.wait()
+        return None
 
 
 if AllGather is not None:
 
-    class RecordedAllGather(AllGather):
-        def __init__(self, comm: Collectives) -> None:
-            self.comm = comm
-
-        def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
-                     device: torch.device) -> torch.Tensor:
-            return _empty(size, dtype, device)
-
+    class RecordedAllGather(_Recorded, AllGather):
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                      group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
             pending = self.comm.all_gather_async(output_tensor, input_tensor, group)
-            if async_op:
-                return _RecordedWork(pending)
-            pending.blocking = True
-            pending.wait()
-            return None
+            return self._finish(pending, async_op)
 
-    class RecordedReduceScatter(ReduceScatter):
-        def __init__(self, comm: Collectives) -> None:
-            self.comm = comm
-
-        def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
-                     device: torch.device) -> torch.Tensor:
-            return _empty(size, dtype, device)
-
+    class RecordedReduceScatter(_Recorded, ReduceScatter):
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                      group: dist.ProcessGroup, op: dist.ReduceOp,
                      async_op: bool = False) -> dist.Work | None:
             pending = self.comm.reduce_scatter_async(output_tensor, input_tensor, op, group)
-            if async_op:
-                return _RecordedWork(pending)
-            pending.blocking = True
-            pending.wait()
-            return None
+            return self._finish(pending, async_op)
 
 
 def record_fsdp_comms(modules: list[nn.Module], comm: Collectives) -> bool:
