@@ -72,13 +72,18 @@ def make_controls(world_size: int, initial: Plan) -> dict[str, widgets.ValueWidg
             controls[f.name] = widgets.Checkbox(value=bool(value), description=LABELS[f.name],
                                                 style=style, layout=layout, indent=True)
             continue
-        opts = list(options[f.name])
-        if all(v != value for _, v in opts):  # a value the menu lacks (from a given plan)
-            opts.append((str(value), value))
-        controls[f.name] = widgets.Dropdown(options=opts, value=value,
+        controls[f.name] = widgets.Dropdown(options=options[f.name],
                                             description=LABELS[f.name], style=style,
                                             layout=layout)
+        set_value(controls[f.name], value)
     return controls
+
+
+def set_value(control: widgets.ValueWidget, value: Any) -> None:
+    """Set a control, first adding a value its menu lacks (e.g. from a given plan)."""
+    if isinstance(control, widgets.Dropdown) and all(v != value for _, v in control.options):
+        control.options = [*control.options, (str(value), value)]
+    control.value = value
 
 
 def plan_from(values: dict[str, Any]) -> Plan:

@@ -26,7 +26,7 @@ from workbench.planner import PROFILES, HardwareProfile, ModelSpec, calibrate, p
 from workbench.planner import recommend as recommend_plans
 from workbench.planner.cost_model import Prediction, plan_label
 from workbench.tuner import render
-from workbench.tuner.controls import make_controls, plan_from
+from workbench.tuner.controls import make_controls, plan_from, set_value
 from workbench.tuner.trials import Trial
 from workbench.tuner.trials import measure as measure_trial
 
@@ -132,11 +132,7 @@ class Tuner:
                              f"{', '.join(self.controls)}")
         with self.widget.hold_sync():
             for name, value in values.items():
-                control = self.controls[name]
-                if isinstance(control, widgets.Dropdown) and \
-                        all(v != value for _, v in control.options):
-                    control.options = [*control.options, (str(value), value)]
-                control.value = value
+                set_value(self.controls[name], value)
         self.update()
         return self
 
