@@ -57,7 +57,7 @@ def _time_steps(step_fn, warmup: int, steps: int) -> float:
 def _native_state_bytes(model, opt) -> dict[str, int]:
     from torch.distributed.tensor import DTensor
 
-    from kernels_runtime.api.optimizer import optimizer_state_tensors, tensor_bytes
+    from kernels_runtime.optim import optimizer_state_tensors, tensor_bytes
 
     def local(t):
         return t.to_local() if isinstance(t, DTensor) else t
@@ -122,7 +122,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
             # measure at the peak of model states: gradients reduced, optimizer state built
             loss = _loss(model, _batch(0, rank, args.batch, args.seq))
             bopt.backward(loss)
-            bopt._finish_grad_sync()
+            bopt.finish_grad_sync()
             results["memory"][(f"zero{zero}", precision)] = bopt.memory_breakdown()
             bopt.zero_grad()
     return results

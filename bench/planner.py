@@ -17,7 +17,7 @@ In one run on 2 CPU ranks (gloo), on a small HF GPT-2:
 Measured peak memory, defined so a CPU can measure it (there are no allocator counters):
 model-state bytes from ``BoostedOptimizer.memory_breakdown()`` at their peak (gradients
 reduced, optimizer states built) + bytes autograd saves for backward during one micro-batch's
-forward and backward (``kernels_runtime.saved_activations.peak_saved_bytes``, parameters
+forward and backward (``kernels_runtime.memory.saved_activations.peak_saved_bytes``, parameters
 excluded); with checkpointing, the saved layer inputs and everything outside the blocks plus
 the largest block measured without checkpointing (what backward holds while recomputing it).
 The model's transient communication buffers are predicted, not measured.

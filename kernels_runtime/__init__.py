@@ -1,7 +1,55 @@
 """Engine-side parallel runtime of colossal-workbench.
 
 Everything here runs inside a rank: an ipyparallel engine driven from a notebook, or a plain
-``torchrun`` process. It never imports IPython or widgets, so the same code trains from a script.
+``torchrun`` process. It never imports IPython or widgets, so the same code trains from a script::
+
+    from kernels_runtime import ParallelContext, parallelize, train_step
+
+The public names below are loaded on first use (PEP 562), so importing the package, or one of
+its torch-free modules (``kernels_runtime.mesh.plan``, ``kernels_runtime.telemetry``) as the
+notebook side does, does not import torch.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+_PUBLIC = {
+    "parallelize": "kernels_runtime.api",
+    "parallelize_model": "kernels_runtime.api",
+    "train_step": "kernels_runtime.api",
+    "causal_lm_loss": "kernels_runtime.api",
+    "Objective": "kernels_runtime.api",
+    "StepResult": "kernels_runtime.api",
+    "BoostedOptimizer": "kernels_runtime.optim",
+    "Plan": "kernels_runtime.mesh.plan",
+    "PlanError": "kernels_runtime.mesh.plan",
+    "ParallelContext": "kernels_runtime.mesh.context",
+    "RankSession": "kernels_runtime.session",
+    "save": "kernels_runtime.checkpoint",
+    "load": "kernels_runtime.checkpoint",
+    "save_model": "kernels_runtime.checkpoint",
+    "load_model": "kernels_runtime.checkpoint",
+    "export_hf": "kernels_runtime.checkpoint",
+    "CheckpointError": "kernels_runtime.checkpoint",
+    "get_policy": "kernels_runtime.policies",
+    "register_policy": "kernels_runtime.policies",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kernels_runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

@@ -1,9 +1,10 @@
 """What one rank knows about itself while a pool drives it.
 
 A pool of long-lived ranks outlives any single cell, so the per-rank state (the process group,
-the instrumented collectives, the plan of the current cell, the telemetry) lives in one
-``RankSession`` object held in the engine's namespace, never in module globals. The same object
-can be built by a plain ``torchrun`` script through :meth:`RankSession.from_env`.
+the instrumented collectives, the plan of the current cell, the telemetry, the cached process
+groups of every mesh built so far) lives in one ``RankSession`` object held in the engine's
+namespace, never in module globals. The same object can be built by a plain ``torchrun``
+script through :meth:`RankSession.from_env`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from kernels_runtime.comm import (
     find_free_port,
     init_distributed,
 )
+from kernels_runtime.mesh.cache import MeshCache
+from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.mesh.plan import Plan
 from kernels_runtime.telemetry import Telemetry
 
 
@@ -59,8 +63,15 @@ class RankSession:
 
     def __post_init__(self) -> None:
         acc = self.state.accelerator
-        sync = acc.synchronize if acc.kind == "cuda" else None  # CPU work is never queued
-        self.comm.telemetry.configure(memory=acc.memory_in_use, synchronize=sync)
+        self.comm.telemetry.configure(memory=acc.memory_in_use, device_timer=acc.device_timer())
+        if self.comm.meshes is None:
+            self.comm.meshes = MeshCache()
+
+    def context(self, plan: Plan | str | None = None) -> ParallelContext:
+        """The ``ParallelContext`` of ``plan`` (default: the cell's plan), on cached groups:
+        the same as ``ParallelContext.build(plan, session.comm)``."""
+        chosen = plan if plan is not None else self.plan
+        return ParallelContext.build(chosen if chosen is not None else Plan(), self.comm)
 
     @classmethod
     def start(
@@ -112,6 +123,7 @@ class RankSession:
         later collective would fail; every rank calls this together to get a fresh group.
         """
         s = self.state
+        self.comm.meshes.clear()  # their groups die with the default group
         self.state = init_distributed(
             s.rank, s.world_size, s.master_addr, master_port, s.backend, s.timeout_s, s.local_rank
         )
@@ -119,6 +131,7 @@ class RankSession:
         self.broken = False
 
     def close(self) -> None:
+        self.comm.meshes.clear()
         destroy_distributed()
 
     def describe(self) -> dict[str, Any]:

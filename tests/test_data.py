@@ -207,7 +207,7 @@ def test_train_step_moves_nested_batches_to_the_rank_device():
 
     import torch
 
-    from kernels_runtime.api.train import to_device
+    from kernels_runtime.api import to_device
 
     Pair = namedtuple("Pair", "x y")
     x = torch.arange(4)

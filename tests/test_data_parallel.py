@@ -106,7 +106,7 @@ def _memory(rank: int, world: int) -> dict:
                 opt.backward(loss)
                 if step == 0:
                     opt.step()
-            opt._finish_grad_sync()
+            opt.finish_grad_sync()
             out[(zero, precision)] = (sum(opt.memory_breakdown().values()), numel)
     return out
 
@@ -173,7 +173,7 @@ def _overlap(rank: int, world: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=dm.LR)
     model, opt = parallelize(model, opt, f"dp={world} zero=1", bucket_mb=0.01)
     train_step(model, opt, dm.local_microbatches(0, rank, world, 1), loss_fn=dm.hf_loss)
-    stats = {"buckets": len(opt.buckets), **opt.overlap}
+    stats = {"buckets": len(opt.sync.buckets), **opt.sync.overlap}
     batch = dm.local_microbatches(1, rank, world, 1)[0]
     opt.backward(dm.hf_loss(model, batch))
     try:  # a second synchronised backward in one step would double-count at zero=1

@@ -64,7 +64,7 @@ def _memory_and_calibration(rank: int, world: int) -> dict:
         batches = local_microbatches(0, rank, world, 1)
         train_step(model, bopt, batches, _proxy_loss)  # optimizer states now exist
         bopt.backward(_proxy_loss(model, batches[0]))  # gradients too: the peak of model states
-        bopt._finish_grad_sync()
+        bopt.finish_grad_sync()
         memory[(zero, precision)] = bopt.memory_breakdown()
     return {"memory": memory, "calibration": calibration}
 
@@ -91,9 +91,9 @@ def test_predicted_model_states_equal_memory_breakdown(two_ranks):
 def test_predicted_activations_equal_saved_tensors(precision: str, ckpt: bool):
     from dp_models import DTYPES, hf_loss
 
+    from kernels_runtime.memory.saved_activations import peak_saved_bytes
     from kernels_runtime.parallel.activation_checkpoint import apply_activation_checkpointing
     from kernels_runtime.policies import get_policy
-    from kernels_runtime.saved_activations import peak_saved_bytes
 
     model = make_model("gpt2").to(DTYPES[precision])
     blocks = get_policy(model).blocks(model)

@@ -1,8 +1,13 @@
-"""The runtime's user surface: ``parallelize``, ``BoostedOptimizer``, ``train_step``."""
+"""The runtime's user surface: ``parallelize_model`` / ``parallelize`` (ordered appliers) and
+``train_step`` (runs a schedule over an objective)."""
 
-from kernels_runtime.api.optimizer import BoostedOptimizer
-from kernels_runtime.api.parallelize import parallelize, sync_module_states
-from kernels_runtime.api.train import StepResult, causal_lm_loss, train_step
+from kernels_runtime.api.objective import Objective, causal_lm_loss, next_token_loss
+from kernels_runtime.api.parallelize import APPLIERS, parallelize, parallelize_model
+from kernels_runtime.api.schedule import Schedule, SequentialSchedule, to_device
+from kernels_runtime.api.train import StepResult, train_step
+from kernels_runtime.optim import BoostedOptimizer
+from kernels_runtime.parallel.data.applier import sync_module_states
 
-__all__ = ["BoostedOptimizer", "StepResult", "causal_lm_loss", "parallelize",
-           "sync_module_states", "train_step"]
+__all__ = ["APPLIERS", "BoostedOptimizer", "Objective", "Schedule", "SequentialSchedule",
+           "StepResult", "causal_lm_loss", "next_token_loss", "parallelize", "parallelize_model",
+           "sync_module_states", "to_device", "train_step"]

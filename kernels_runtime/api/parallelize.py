@@ -1,28 +1,97 @@
-"""``parallelize(model, optimizer, plan)``: one call from a plain PyTorch model to a parallel one.
+"""``parallelize_model`` and ``parallelize``: one call from a plain PyTorch model to a parallel one.
 
-Model code stays unchanged. The model's policy (``kernels_runtime.policies``) says where its
-transformer blocks are; the plan says how to split. Today data parallelism (DDP and ZeRO 1-3),
-mixed precision and activation checkpointing are implemented; tensor, pipeline and sequence
-parallelism plug in here when their packages land.
+Model code stays unchanged. The model's policy (``kernels_runtime.policies``) says what the
+model is made of; the plan says how to split it. Each dimension is one applier, run in this
+order, each building on what the earlier ones recorded in the model's ``ParallelState``:
+
+    tensor -> sequence -> activation checkpointing -> pipeline -> data/ZeRO -> offload
+
+Tensor parallelism first, because it changes which tensors exist (shards of each weight);
+sequence parallelism then changes the activations between them; checkpointing wraps the blocks
+as they now are; a pipeline keeps a stage's blocks; data parallelism shards what is left over
+dp; offload places those shards on device, host or disk. Every applier first says whether it
+can run the plan (``check``), all before any applier changes the model, so a refused plan
+leaves the model untouched.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from kernels_runtime.api.optimizer import BoostedOptimizer
 from kernels_runtime.comm import Collectives
+from kernels_runtime.memory import offload
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.plan import Plan, PlanError
-from kernels_runtime.parallel.activation_checkpoint import apply_activation_checkpointing
-from kernels_runtime.parallel.data.fsdp import FsdpOptimizer
-from kernels_runtime.parallel.data.zero_optimizer import ZeroOptimizer
-from kernels_runtime.policies import get_policy
-from kernels_runtime.precision import compute_dtype
+from kernels_runtime.optim import BoostedOptimizer
+from kernels_runtime.parallel import activation_checkpoint
+from kernels_runtime.parallel.data import applier as data
+from kernels_runtime.parallel.pipeline import applier as pipeline
+from kernels_runtime.parallel.sequence import applier as sequence
+from kernels_runtime.parallel.state import ATTRIBUTE, ParallelState, parallel_state
+from kernels_runtime.parallel.tensor import applier as tensor
+from kernels_runtime.policies import Policy, get_policy
+
+Check = Callable[[ParallelState], "str | None"]
+Apply = Callable[[nn.Module, ParallelState], nn.Module]
+APPLIERS: tuple[tuple[str, Check, Apply], ...] = (
+    ("tensor", tensor.check, tensor.apply),
+    ("sequence", sequence.check, sequence.apply),
+    ("activation_checkpointing", activation_checkpoint.check, activation_checkpoint.apply),
+    ("pipeline", pipeline.check, pipeline.apply),
+    ("data", data.check, data.apply),
+    ("offload", offload.check, offload.apply),
+)
+
+
+def _context(plan: Plan | str | None, ctx: ParallelContext | None,
+             comm: Collectives | None) -> ParallelContext:
+    if ctx is None:
+        return ParallelContext.build(plan if plan is not None else Plan(), comm)
+    if plan is not None and Plan.parse(plan).validate(ctx.world_size) != ctx.plan:
+        raise PlanError(f"plan {plan!r} differs from the context's plan {ctx.plan.to_string()!r}")
+    return ctx
+
+
+def parallelize_model(
+    model: nn.Module,
+    plan: Plan | str | None = None,
+    *,
+    ctx: ParallelContext | None = None,
+    comm: Collectives | None = None,
+    policy: Policy | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    bucket_mb: float = 8.0,
+) -> nn.Module:
+    """Return ``model`` (changed in place) split under ``plan``, without an optimizer: for
+    evaluation and inference (``optimizer`` is for ``parallelize``, which passes the user's).
+
+    Collective: every rank calls it with the same plan and a model of the same architecture.
+    Parameters are broadcast from the first data-parallel rank so every replica starts equal.
+    The record of what was done is ``model.parallel_state``.
+    """
+    previous = parallel_state(model)
+    if previous is not None:
+        raise PlanError(
+            f"this {type(model).__name__} is already parallelized (plan "
+            f"{previous.ctx.plan.to_string()!r}); parallelize a freshly built model instead, "
+            "e.g. one loaded from a checkpoint with kernels_runtime.checkpoint.load_model")
+    ctx = _context(plan, ctx, comm)
+    policy = policy if policy is not None else get_policy(model)
+    ctx.plan.validate(ctx.world_size, policy.model_config(model))
+    state = ParallelState(ctx=ctx, policy=policy, optimizer=optimizer, bucket_mb=bucket_mb,
+                          blocks=policy.blocks(model))
+    refusals = [why for _, check, _ in APPLIERS if (why := check(state)) is not None]
+    if refusals:
+        raise PlanError("; ".join(refusals))
+    for _, _, apply in APPLIERS:
+        model = apply(model, state)
+    state.optimizer = None  # the user's optimizer is not needed any more; do not pin it
+    model.__dict__[ATTRIBUTE] = state
+    model.parallel_context = ctx  # type: ignore[assignment]
+    return model
 
 
 def parallelize(
@@ -32,69 +101,23 @@ def parallelize(
     *,
     ctx: ParallelContext | None = None,
     comm: Collectives | None = None,
-    policy: Any = None,
+    policy: Policy | None = None,
     max_grad_norm: float | None = None,
     bucket_mb: float = 8.0,
 ) -> tuple[nn.Module, BoostedOptimizer]:
     """Return the model (changed in place) and a ``BoostedOptimizer`` wrapping ``optimizer``.
 
-    Collective: every rank calls it with the same plan and a model of the same architecture.
-    Parameters are broadcast from the first data-parallel rank so every replica starts equal.
-    Pass a fresh optimizer: it is rebuilt over the runtime's own (flat, sharded) tensors with
-    the same class and per-group hyperparameters.
+    ``parallelize_model`` with the optimizer: pass a fresh one, since it is rebuilt over the
+    runtime's own (flat, sharded) tensors with the same class and per-group hyperparameters.
     """
-    if ctx is None:
-        ctx = ParallelContext.build(plan if plan is not None else Plan(), comm)
-    elif plan is not None and Plan.parse(plan).validate(ctx.world_size) != ctx.plan:
-        raise PlanError(f"plan {plan!r} differs from the context's plan {ctx.plan.to_string()!r}")
-    plan = ctx.plan
-    policy = policy if policy is not None else get_policy(model)
-    plan.validate(ctx.world_size, policy.model_config(model))
-    if plan.tp > 1 or plan.pp > 1 or plan.sp > 1:
-        raise PlanError("tensor, pipeline and sequence parallelism are not available yet; "
-                        "use dp and zero (e.g. \"dp=2 zero=2\")")
-    blocks = policy.blocks(model)
-    if plan.activation_checkpointing:
-        if not blocks:
-            raise PlanError(f"activation_checkpointing: the {policy.name} policy found no "
-                            "transformer blocks in this model; turn it off or pass a policy")
-        apply_activation_checkpointing(blocks)
-    model.to(ctx.device)
-    sync_module_states(model, ctx)
-    if plan.zero_stage == 3:
-        opt: BoostedOptimizer = FsdpOptimizer(
-            model, optimizer, ctx, blocks=blocks, precision=plan.precision,
-            max_grad_norm=max_grad_norm)
-    else:
-        opt = ZeroOptimizer(
-            model, optimizer, ctx, zero_stage=plan.zero_stage, precision=plan.precision,
-            max_grad_norm=max_grad_norm, bucket_mb=bucket_mb)
-        if plan.precision != "fp32":
-            model.register_forward_pre_hook(_input_caster(compute_dtype(plan.precision)),
-                                            with_kwargs=True)
-    model.parallel_context = ctx  # type: ignore[assignment]
-    return model, opt
-
-
-def sync_module_states(model: nn.Module, ctx: ParallelContext) -> None:
-    """Broadcast parameters and buffers from the first rank of each dp group."""
-    group = ctx.dp_group
-    if ctx.dp_size == 1:
-        return
-    src = dist.get_global_rank(group, 0)
-    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.numel()]
-    handles = [dist.broadcast(t.data, src=src, group=group, async_op=True) for t in tensors]
-    for h in handles:
-        h.wait()
-
-
-def _input_caster(dtype: torch.dtype):
-    """Cast floating-point inputs to the model's dtype (pixel values, embeddings passed in)."""
-
-    def cast(t: Any) -> Any:
-        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
-
-    return hook
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"parallelize takes a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}; for a model without one (evaluation, "
+                        "inference) use parallelize_model(model, plan)")
+    model = parallelize_model(model, plan, ctx=ctx, comm=comm, policy=policy,
+                              optimizer=optimizer, bucket_mb=bucket_mb)
+    state = parallel_state(model)
+    assert state is not None and state.grad_sync is not None
+    boosted = BoostedOptimizer(optimizer, state.grad_sync, state.ctx, state.ctx.plan.precision,
+                               max_grad_norm)
+    return model, boosted

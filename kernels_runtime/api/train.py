@@ -1,24 +1,27 @@
 """``train_step``: micro-batches, gradient accumulation and the optimizer step in one call.
 
-Every step is recorded in the telemetry of the optimizer's context (``ctx.telemetry``): tokens
-and samples counted from the micro-batches, model FLOPs estimated from the parameter count, and
-the step time split into compute (forward/backward and the optimizer step, marked as compute
-regions), communication and waiting (definitions in ``kernels_runtime.telemetry.split``).
+The micro-batches run through the model's schedule (``schedule.py``: in sequence, or a
+pipeline's); then the optimizer steps and the loss is averaged over data-parallel ranks, the
+one host synchronization of the step. Every step is recorded in the telemetry of the
+optimizer's context (``ctx.telemetry``): tokens and samples counted from the micro-batches,
+model FLOPs estimated from the parameter count, and the step time split into compute
+(forward/backward and the optimizer step, marked as compute regions), communication and
+waiting (definitions in ``kernels_runtime.telemetry.split``).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from kernels_runtime.api.optimizer import BoostedOptimizer
-
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
+from kernels_runtime.api.objective import causal_lm_loss
+from kernels_runtime.api.schedule import LossFn, Schedule, SequentialSchedule
+from kernels_runtime.optim import BoostedOptimizer
+from kernels_runtime.parallel.state import parallel_state
 
 
 @dataclass
@@ -28,61 +31,39 @@ class StepResult:
     grad_norm: float | None
 
 
-def causal_lm_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """Loss of an HF-style model on ``(input_ids, labels)`` or a dict of model inputs."""
-    if isinstance(batch, dict):
-        return model(**batch).loss
-    input_ids, labels = batch
-    out = model(input_ids=input_ids, labels=labels)
-    return out.loss if hasattr(out, "loss") else out
-
-
 def train_step(
     model: nn.Module,
     optimizer: BoostedOptimizer,
     microbatches: Sequence[Any],
     loss_fn: LossFn = causal_lm_loss,
+    *,
+    schedule: Schedule | None = None,
 ) -> StepResult:
     """Forward and backward every micro-batch (communicating only after the last), then step.
 
-    Each micro-batch loss is divided by their number so the gradient is the mean over the
-    whole local batch; the data-parallel average happens in the gradient reduction.
+    ``loss_fn(model, batch)`` returns the micro-batch's loss: an ``Objective`` (forward and
+    loss apart, as pipelines need) or any callable. ``schedule`` defaults to the model's
+    (``model.parallel_state.schedule``), else micro-batches in sequence.
     """
     n = len(microbatches)
     if n == 0:
         raise ValueError("train_step needs at least one micro-batch")
-    telemetry = optimizer.ctx.telemetry
+    if schedule is None:
+        state = parallel_state(model)
+        schedule = state.schedule if state is not None and state.schedule is not None \
+            else SequentialSchedule()
+    ctx = optimizer.ctx
+    telemetry = ctx.telemetry
     samples, tokens, seq_len = _count(microbatches)
     flops = telemetry.model_flops(model, tokens, seq_len)
     with telemetry.step(tokens=tokens, samples=samples, flops=flops):
-        total = torch.zeros((), dtype=torch.float32)
-        for i, batch in enumerate(microbatches):
-            batch = to_device(batch, optimizer.ctx.device)
-            sync = contextlib.nullcontext() if i == n - 1 else optimizer.no_sync()
-            with sync, telemetry.compute():
-                loss = loss_fn(model, batch)
-                optimizer.backward(loss / n)
-            total += loss.detach().float().cpu()
+        total = schedule.run(model, optimizer, microbatches, loss_fn, telemetry)
         with telemetry.compute():
             stepped = optimizer.step()
-        mean = (total / n).to(optimizer.ctx.device)
-        optimizer.ctx.comm.all_reduce(mean, group=optimizer.ctx.dp_group)
-        loss_value = mean.item() / optimizer.ctx.dp_size
+        mean = total / n
+        ctx.comm.all_reduce(mean, group=ctx.dp_group)
+        loss_value = mean.item() / ctx.dp_size
     return StepResult(loss_value, stepped, optimizer.last_grad_norm)
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor on ``device`` (tuples, lists, named tuples and dicts kept):
-    data loaders yield host tensors, the model lives on the rank's GPU. A no-op on CPU ranks."""
-    if isinstance(batch, torch.Tensor):
-        return batch if batch.device == device else batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return type(batch)((k, to_device(v, device)) for k, v in batch.items())
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(to_device(v, device) for v in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
 
 
 def _count(microbatches: Sequence[Any]) -> tuple[int, int, int | None]:

@@ -14,7 +14,7 @@ from torch import nn
 
 from kernels_runtime.calibrate.proxy import ProxyBlock
 from kernels_runtime.calibrate.timing import timed
-from kernels_runtime.saved_activations import SavedActivations
+from kernels_runtime.memory.saved_activations import SavedActivations
 
 Sync = Callable[[], None]
 

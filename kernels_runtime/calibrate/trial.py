@@ -76,14 +76,14 @@ def next_token_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) 
 def measure_memory(model: nn.Module, optimizer: Any, blocks: list[nn.Module],
                    micro: tuple[torch.Tensor, torch.Tensor]) -> dict[str, int]:
     """Model states at their peak + activations kept by one micro-batch."""
-    from kernels_runtime.api.train import to_device
-    from kernels_runtime.saved_activations import peak_saved_bytes
+    from kernels_runtime.api import to_device
+    from kernels_runtime.memory.saved_activations import peak_saved_bytes
 
     micro = to_device(micro, optimizer.ctx.device)
 
     def step() -> None:
         optimizer.backward(next_token_loss(model, micro))
-        optimizer._finish_grad_sync()
+        optimizer.finish_grad_sync()
 
     activations = peak_saved_bytes(step, blocks)
     states = optimizer.memory_breakdown()  # after backward: gradients reduced, states built

@@ -4,7 +4,7 @@
       latest                      "step-00000010\\n": the newest complete checkpoint
       step-00000010/
         meta.json                 what was saved and how to check it (written by rank 0)
-        rank-00000.safetensors    rank 0's segments "{name}|{start}|{key}" and its RNG states
+        rank-00000.safetensors    rank 0's pieces "{name}|{offsets}|{key}" and its RNG states
         rank-00001.safetensors
       .tmp-step-00000011-9f3c...  a save in progress (or one that crashed): never read
 
@@ -13,6 +13,15 @@ appears complete (it is written under a temporary name and renamed), and ``lates
 in one ``os.replace``. Data files hold plain tensors in safetensors and every other fact is JSON,
 so loading never unpickles anything; ``meta.json`` records the size and SHA-256 of each data
 file, so a damaged file is reported by name instead of crashing a reader or loading silently.
+
+A piece is an n-D box of one tensor (``kernels_runtime.mesh.shards.Shard``): its offsets per
+dim name it in the file, its sizes are the stored tensor's shape, and ``meta.json`` lists them
+per file. Keys per piece: ``param`` (the parameter's value, the fp32 master when training in
+16 bit) and the optimizer's state names. ``kind`` is "training" (with optimizer state and
+``scalar_state``) or "model" (parameters only, from ``save_model``).
+
+Version 1 (before n-D shards) stored flat row-major ranges ``{name}|{start}|{key}`` with the
+key ``master``; ``reader.py`` still reads those.
 """
 
 from __future__ import annotations
@@ -25,15 +34,15 @@ from pathlib import Path
 from typing import Any
 
 FORMAT = "kernels_runtime.checkpoint"
-VERSION = 1
+VERSION = 2
 META = "meta.json"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"  # in-progress saves and replaced step folders: ignored by load
 RNG_PREFIX = "__rng__|"
 SEP = "|"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_REQUIRED = ("format", "version", "step", "plan", "world_size", "dp_size", "scalar_state",
-             "params", "files")
+_REQUIRED = ("format", "version", "step", "plan", "world_size", "params", "files")
+KINDS = ("training", "model")
 
 
 class CheckpointError(RuntimeError):
@@ -53,8 +62,10 @@ def index_file_name(rank: int) -> str:
     return f"rank-{rank:05d}.index.json"
 
 
-def tensor_key(name: str, start: int, key: str) -> str:
-    return f"{name}{SEP}{start}{SEP}{key}"
+def tensor_key(name: str, where: int | str, key: str) -> str:
+    """A stored tensor's name: parameter, piece offsets ("0,64"; a flat start in version 1),
+    state key."""
+    return f"{name}{SEP}{where}{SEP}{key}"
 
 
 def check_json(value: Any, what: str) -> str:
@@ -174,4 +185,10 @@ def read_meta(step_dir: Path) -> dict[str, Any]:
     if meta["format"] != FORMAT or meta["version"] > VERSION:
         raise CheckpointError(f"{path} has format {meta['format']!r} version {meta['version']}; "
                               f"this runtime reads {FORMAT!r} up to version {VERSION}")
+    meta.setdefault("kind", "training")  # version 1 saved training checkpoints only
+    if meta["kind"] not in KINDS:
+        raise CheckpointError(f"{path}: kind {meta['kind']!r} is not one of {KINDS}")
+    if meta["kind"] == "training" and "scalar_state" not in meta:
+        raise CheckpointError(f"{path} lacks the field 'scalar_state': damaged or not a "
+                              "checkpoint")
     return meta

@@ -1,11 +1,12 @@
-"""``save``: every rank writes its own share of the training state; rank 0 commits the whole.
+"""``save`` / ``save_model``: every rank writes its own share of the state; rank 0 commits the
+whole.
 
 Phases, each ending in an all-rank agreement (see ``agreement``):
 
 1. rank 0 creates ``.tmp-step-XXXXXXXX-<token>`` next to the final folder;
-2. every rank writes ``rank-RRRRR.safetensors`` (its ``saved_segments`` and RNG states) and a
-   small JSON index of it, and fsyncs both;
-3. rank 0 checks that the segments of all ranks cover every parameter exactly once, writes
+2. every rank writes ``rank-RRRRR.safetensors`` (the pieces its layout says it writes, and its
+   RNG states) and a small JSON index of it, and fsyncs both;
+3. rank 0 checks that the pieces of all ranks cover every parameter exactly once, writes
    ``meta.json`` (with each data file's size and SHA-256), renames the folder to ``step-...``,
    fsyncs the parent, replaces ``latest`` atomically and removes stale temporary folders.
 
@@ -35,10 +36,14 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from kernels_runtime.api.optimizer import BoostedOptimizer
 from kernels_runtime.checkpoint import format as fmt
 from kernels_runtime.checkpoint.agreement import agree, attempt, shared_token
 from kernels_runtime.checkpoint.format import CheckpointError
+from kernels_runtime.comm import Accelerator
+from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.mesh.shards import Shard, tiling_problem
+from kernels_runtime.optim import BoostedOptimizer, StatePiece
+from kernels_runtime.parallel.state import parallel_state
 
 CRASH_ENV = "KERNELS_RUNTIME_CHECKPOINT_CRASH"
 
@@ -54,12 +59,38 @@ def save(
 
     Collective: every rank calls it. ``extra`` (JSON-serializable: data-loader position, LR
     scheduler state, ...) comes back from ``load``. Resuming under another plan or world size
-    works: states are saved per flat parameter range, independent of the sharding.
+    works: states are saved as boxes of the global tensors, independent of the sharding.
     """
+    scalars = {"scalar_state": optimizer.scalar_state(),
+               "param_groups": _hyperparameters(optimizer)}
+    fmt.check_json(scalars["scalar_state"], "the optimizer's scalar_state()")
+    return _save(directory, model, optimizer.ctx, lambda: optimizer.pieces(saving=True), step,
+                 extra, "training", scalars)
+
+
+def save_model(
+    directory: str | os.PathLike, model: nn.Module, step: int = 0, extra: dict | None = None
+) -> Path:
+    """Write the parameters of a parallelized model (``parallelize_model`` or ``parallelize``:
+    fp32 masters when training in 16 bit) without optimizer state; ``load_model`` reads it
+    into any layout, ``load`` into a training run whose optimizer then starts afresh."""
+    state = parallel_state(model)
+    if state is None or state.model_state is None:
+        raise CheckpointError(
+            f"save_model needs a parallelized model (this {type(model).__name__} is not): call "
+            "kernels_runtime.parallelize_model(model, plan) first (any plan, dp=1 too), or "
+            "export_hf for a plain model in one process")
+    return _save(directory, model, state.ctx,
+                 lambda: state.model_state.pieces(saving=True, optimizer=None), step, extra,
+                 "model", {})
+
+
+def _save(directory: str | os.PathLike, model: nn.Module, ctx: ParallelContext,
+          pieces: Any, step: int, extra: dict | None, kind: str,
+          scalars: dict[str, Any]) -> Path:
     fmt.check_json(extra, "extra")  # on every rank, before anything is written
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
-    ctx = optimizer.ctx
     comm, device = ctx.comm, ctx.device
     rank, world = dist.get_rank(), dist.get_world_size()
     directory = Path(directory)
@@ -72,13 +103,18 @@ def save(
             directory.mkdir(parents=True, exist_ok=True)
             tmp.mkdir()
 
+    def write() -> None:
+        _write_rank(tmp, rank, pieces(), Accelerator.for_backend(dist.get_backend()))
+
     def commit() -> None:
         if rank == 0:
-            meta = _meta(tmp, model, optimizer, step, extra, world)
-            _commit(tmp, final, meta, token)
+            meta = {"format": fmt.FORMAT, "version": fmt.VERSION, "kind": kind, "step": step,
+                    "plan": ctx.plan.to_string(), "world_size": world, "dp_size": ctx.dp_size,
+                    "torch": torch.__version__, **scalars, "extra": extra}
+            _commit(tmp, final, _meta(tmp, model, meta), token)
 
     agree(comm, device, attempt(create), f"creating {tmp}")
-    agree(comm, device, attempt(lambda: _write_rank(tmp, rank, optimizer)), f"writing {tmp}")
+    agree(comm, device, attempt(write), f"writing {tmp}")
     agree(comm, device, attempt(commit), f"committing {final}")
     return final
 
@@ -90,63 +126,51 @@ def _crash_point(point: str, rank: int) -> None:
         os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
 
 
-def _rng_states() -> dict[str, torch.Tensor]:
-    states = {f"{fmt.RNG_PREFIX}cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states[f"{fmt.RNG_PREFIX}cuda"] = torch.cuda.get_rng_state()
-    return states
-
-
-def _write_rank(tmp: Path, rank: int, optimizer: BoostedOptimizer) -> None:
-    """This rank's data file and its index (segments, size, SHA-256), both fsynced."""
+def _write_rank(tmp: Path, rank: int, pieces: list[StatePiece],
+                accelerator: Accelerator) -> None:
+    """This rank's data file and its index (pieces, size, SHA-256), both fsynced."""
     tensors: dict[str, torch.Tensor] = {}
-    segments = []
-    for seg, values in optimizer.saved_segments():
-        dtypes = {}
-        for key, value in sorted(values.items()):
-            if value.numel() != seg.numel:
-                raise CheckpointError(f"optimizer gave {value.numel()} values of {key!r} for "
-                                      f"{seg}: a bug in its saved_segments")
-            # a copy on the CPU: values are often views of live buffers shared with others
-            tensors[fmt.tensor_key(seg.name, seg.start, key)] = (
-                value.detach().reshape(-1).to("cpu", copy=True).contiguous())
+    index_pieces = []
+    for piece in pieces:
+        shard, dtypes = piece.shard, {}
+        for key, value in sorted(piece.values.items()):
+            if tuple(value.shape) != tuple(shard.sizes):
+                raise CheckpointError(f"a layout gave {tuple(value.shape)} values of {key!r} "
+                                      f"for {shard}: a bug in its pieces")
+            # a copy on the host: values are often views of live buffers shared with others
+            tensors[fmt.tensor_key(shard.name, shard.key, key)] = (
+                value.detach().to("cpu", copy=True).contiguous())
             dtypes[key] = str(value.dtype).removeprefix("torch.")
-        segments.append({"name": seg.name, "shape": list(seg.shape), "start": seg.start,
-                         "end": seg.end, "keys": dtypes})
-    tensors.update(_rng_states())
+        index_pieces.append({"name": shard.name, "shape": list(shard.shape),
+                             "offsets": list(shard.offsets), "sizes": list(shard.sizes),
+                             "keys": dtypes})
+    tensors.update({f"{fmt.RNG_PREFIX}{kind}": state
+                    for kind, state in accelerator.rng_states().items()})
     path = tmp / fmt.rank_file_name(rank)
     save_file(tensors, str(path), metadata={"format": fmt.FORMAT, "rank": str(rank)})
     _crash_point("write", rank)
     fmt.fsync_file(path)
     size, sha = fmt.file_digest(path)
-    index = {"rank": rank, "file": path.name, "bytes": size, "sha256": sha, "segments": segments}
+    index = {"rank": rank, "file": path.name, "bytes": size, "sha256": sha,
+             "pieces": index_pieces}
     index_path = tmp / fmt.index_file_name(rank)
     fmt.write_text_durably(index_path, json.dumps(index))
     os.chmod(path, stat.S_IMODE(index_path.stat().st_mode))  # safetensors creates it 0600
 
 
 def _coverage(files: dict[str, dict]) -> dict[str, tuple[int, ...]]:
-    """Every parameter's shape, after checking its saved ranges tile it exactly once."""
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
+    """Every tensor's global shape, after checking its saved pieces tile it exactly once."""
+    shards: dict[str, list[Shard]] = {}
     for entry in files.values():
-        for s in entry["segments"]:
-            ranges.setdefault(s["name"], []).append((s["start"], s["end"]))
-            shapes[s["name"]] = tuple(s["shape"])
-    for name, spans in ranges.items():
-        numel = 1
-        for d in shapes[name]:
-            numel *= d
-        cursor = 0
-        for start, end in sorted(spans):
-            if start != cursor:
-                what = "overlap" if start < cursor else "leave a gap"
-                raise CheckpointError(f"saved segments of {name} {what} at element "
-                                      f"{min(start, cursor)}: a bug in saved_segments")
-            cursor = end
-        if cursor != numel:
-            raise CheckpointError(f"saved segments of {name} end at {cursor} of {numel} elements")
-    return shapes
+        for s in entry["pieces"]:
+            shards.setdefault(s["name"], []).append(
+                Shard(s["name"], tuple(s["shape"]), tuple(s["offsets"]), tuple(s["sizes"])))
+    for name, found in shards.items():
+        problem = tiling_problem(found[0].shape, found)
+        if problem is not None:
+            raise CheckpointError(f"saved pieces of {name} do not cover it exactly once: "
+                                  f"{problem} (a bug in the layout's pieces)")
+    return {name: found[0].shape for name, found in shards.items()}
 
 
 def _hyperparameters(optimizer: BoostedOptimizer) -> list[dict[str, Any]]:
@@ -164,10 +188,9 @@ def _hyperparameters(optimizer: BoostedOptimizer) -> list[dict[str, Any]]:
     return out
 
 
-def _meta(tmp: Path, model: nn.Module, optimizer: BoostedOptimizer, step: int,
-          extra: dict | None, world: int) -> dict[str, Any]:
+def _meta(tmp: Path, model: nn.Module, meta: dict[str, Any]) -> dict[str, Any]:
     files = {}
-    for r in range(world):
+    for r in range(meta["world_size"]):
         index = json.loads((tmp / fmt.index_file_name(r)).read_text(encoding="utf-8"))
         files[index.pop("file")] = index
     shapes = _coverage(files)
@@ -177,14 +200,7 @@ def _meta(tmp: Path, model: nn.Module, optimizer: BoostedOptimizer, step: int,
         p = model_params.get(name)
         params[name] = {"shape": list(shape),
                         "dtype": str(p.dtype).removeprefix("torch.") if p is not None else None}
-    ctx = optimizer.ctx
-    meta = {"format": fmt.FORMAT, "version": fmt.VERSION, "step": step,
-            "plan": ctx.plan.to_string(), "world_size": world, "dp_size": ctx.dp_size,
-            "torch": torch.__version__, "scalar_state": optimizer.scalar_state(),
-            "param_groups": _hyperparameters(optimizer), "extra": extra, "params": params,
-            "files": files}
-    fmt.check_json(meta["scalar_state"], "the optimizer's scalar_state()")
-    return meta
+    return {**meta, "params": params, "files": files}
 
 
 def _commit(tmp: Path, final: Path, meta: dict[str, Any], token: str) -> None:

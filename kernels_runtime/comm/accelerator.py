@@ -2,7 +2,12 @@
 
 Every rank must agree on the backend (nccl needs CUDA tensors, gloo takes CPU ones), and the
 notebook must run unchanged on a laptop without a GPU, so the choice lives in one small value
-object instead of `torch.cuda.is_available()` checks scattered through the runtime.
+object instead of device checks scattered through the runtime. This module is the one place
+that names device kinds: everything else asks the ``Accelerator`` (its device, whether work on
+it is queued asynchronously, its memory counters, RNG states, events). A new torch device type
+with a collective backend (e.g. ``xpu`` with ``xccl``) is one more row of ``DEVICE_KINDS``;
+``torch.get_device_module`` gives the per-kind module (``torch.cuda``, ``torch.xpu``) with the
+same functions for each.
 """
 
 from __future__ import annotations
@@ -10,66 +15,204 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import torch
 
-_PREFERENCES = (None, "cuda", "cpu", "nccl", "gloo")
+# device kind -> (collective backend, environment variable that selects visible devices),
+# tried in this order; "cpu" with gloo is the fallback and always present.
+DEVICE_KINDS: dict[str, tuple[str, str]] = {
+    "cuda": ("nccl", "CUDA_VISIBLE_DEVICES"),
+    "xpu": ("xccl", "ZE_AFFINITY_MASK"),
+}
+HOST_KIND, HOST_BACKEND = "cpu", "gloo"
+
+
+def backend_device_kind(backend: str) -> str:
+    """The device kind whose tensors ``backend`` communicates (gloo: the host)."""
+    for kind, (name, _) in DEVICE_KINDS.items():
+        if name == backend:
+            return kind
+    return HOST_KIND
+
+
+def timing_event(backend: str) -> Any:
+    """A timing event on the current stream of the device ``backend`` communicates."""
+    return torch.get_device_module(backend_device_kind(backend)).Event(enable_timing=True)
+
+
+def _preferences() -> tuple[str | None, ...]:
+    kinds = [k for k in DEVICE_KINDS] + [b for b, _ in DEVICE_KINDS.values()]
+    return (None, *kinds, HOST_KIND, HOST_BACKEND)
+
+
+def _count(kind: str) -> int:
+    module = getattr(torch, kind, None)
+    try:
+        return module.device_count() if module is not None and module.is_available() else 0
+    except Exception:  # a broken driver: no devices of this kind
+        return 0
 
 
 @dataclass(frozen=True)
 class Accelerator:
     """The device a rank computes on and the collective backend that matches it."""
 
-    kind: str  # "cuda" or "cpu"
+    kind: str  # "cuda", "xpu", ... or "cpu"
     device: torch.device
     backend: str  # "nccl" on cuda, "gloo" on cpu
 
     @classmethod
     def detect(cls, local_rank: int = 0, prefer: str | None = None) -> Accelerator:
-        """Pick cuda:<local_rank % visible devices> with nccl if a GPU is visible, else cpu/gloo.
+        """Pick <kind>:<local_rank % visible devices> with its backend if a device is visible,
+        else cpu/gloo.
 
-        `prefer` forces a side: "cpu"/"gloo" always gives cpu (useful to test on a GPU box);
-        "cuda"/"nccl" fails loudly when no GPU is visible, rather than silently training on CPU.
-        CUDA_VISIBLE_DEVICES is applied by torch itself, so with one visible device every rank
-        of this host gets cuda:0.
+        ``prefer`` forces a side: "cpu"/"gloo" always gives cpu (useful to test on a GPU box);
+        a device kind or its backend ("cuda"/"nccl") fails loudly when no such device is
+        visible, rather than silently training on CPU. The visible-devices variable is applied
+        by torch itself, so with one visible device every rank of this host gets device 0.
         """
-        if prefer not in _PREFERENCES:
-            raise ValueError(f"prefer must be one of {_PREFERENCES}, got {prefer!r}")
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if prefer in ("cuda", "nccl") and count == 0:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
-            raise ValueError(
-                f"{prefer!r} was requested but no CUDA device is visible to this process "
-                f"(CUDA_VISIBLE_DEVICES={visible}); use backend 'gloo' (device 'cpu') instead."
-            )
-        if count > 0 and prefer not in ("cpu", "gloo"):
-            return cls("cuda", torch.device("cuda", local_rank % count), "nccl")
-        return cls("cpu", torch.device("cpu"), "gloo")
+        if prefer not in _preferences():
+            raise ValueError(f"prefer must be one of {_preferences()}, got {prefer!r}")
+        if prefer in (HOST_KIND, HOST_BACKEND):
+            return cls.host()
+        for kind, (backend, env) in DEVICE_KINDS.items():
+            wanted = prefer in (kind, backend)
+            if prefer is not None and not wanted:
+                continue
+            count = _count(kind)
+            if count:
+                return cls(kind, torch.device(kind, local_rank % count), backend)
+            if wanted:
+                visible = os.environ.get(env, "<unset>")
+                raise ValueError(
+                    f"{prefer!r} was requested but no {kind.upper()} device is visible to this "
+                    f"process ({env}={visible}); use backend 'gloo' (device 'cpu') instead."
+                )
+        return cls.host()
 
-    def memory_in_use(self) -> dict[str, int]:
-        """Bytes in use now: device allocator counters (0 on cpu), this process's host RSS and
-        its peak RSS since start (the kernel's high-water mark)."""
-        host_rss = psutil.Process().memory_info().rss
-        host = {"host_rss": host_rss, "host_peak": max(host_rss, _peak_rss())}
-        if self.kind != "cuda":
-            return {"device_allocated": 0, "device_reserved": 0, "device_peak": 0, **host}
-        return {
-            "device_allocated": torch.cuda.memory_allocated(self.device),
-            "device_reserved": torch.cuda.memory_reserved(self.device),
-            "device_peak": torch.cuda.max_memory_allocated(self.device),
-            **host,
-        }
+    @classmethod
+    def host(cls) -> Accelerator:
+        return cls(HOST_KIND, torch.device(HOST_KIND), HOST_BACKEND)
 
-    def synchronize(self) -> None:
-        """Wait for queued device work, so wall-clock timings measure the work, not its launch."""
-        if self.kind == "cuda":
-            torch.cuda.synchronize(self.device)
+    @classmethod
+    def for_backend(cls, backend: str) -> Accelerator:
+        """The accelerator of an initialised process group's backend, on the current device."""
+        kind = backend_device_kind(backend)
+        if kind == HOST_KIND:
+            return cls.host()
+        return cls(kind, torch.device(kind, cls._module_of(kind).current_device()), backend)
+
+    @staticmethod
+    def _module_of(kind: str) -> Any:
+        return torch.get_device_module(kind)
+
+    @property
+    def module(self) -> Any:
+        """``torch.cuda`` (or the module of this kind); None for the host."""
+        return None if self.kind == HOST_KIND else self._module_of(self.kind)
+
+    @property
+    def queues_work(self) -> bool:
+        """Whether work on this device is queued and runs after the call returns (a GPU): then
+        the host must not wait on it with a timeout, and timing needs device events."""
+        return self.kind != HOST_KIND
 
     @property
     def pin_memory(self) -> bool:
         """Pinned host buffers only pay off when there is a device to copy them to."""
-        return self.kind == "cuda"
+        return self.queues_work
+
+    def bind(self) -> None:
+        """Make this the current device of the process (before creating its process group)."""
+        if self.module is not None:
+            self.module.set_device(self.device)
+
+    def name(self) -> str:
+        return self.module.get_device_name(self.device) if self.module is not None else "cpu"
+
+    def total_memory(self) -> int | None:
+        """Bytes of device memory; None for the host (its budget is the caller's to decide)."""
+        if self.module is None:
+            return None
+        return self.module.get_device_properties(self.device).total_memory
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        """Whether this device computes in ``dtype`` natively (bf16 needs Ampere on CUDA)."""
+        if dtype == torch.bfloat16 and self.module is not None:
+            check = getattr(self.module, "is_bf16_supported", None)
+            return bool(check()) if check is not None else True
+        return True
+
+    def memory_in_use(self) -> dict[str, int]:
+        """Bytes in use now: device allocator counters (0 on the host), this process's host RSS
+        and its peak RSS since start (the kernel's high-water mark)."""
+        host_rss = psutil.Process().memory_info().rss
+        host = {"host_rss": host_rss, "host_peak": max(host_rss, _peak_rss())}
+        if self.module is None:
+            return {"device_allocated": 0, "device_reserved": 0, "device_peak": 0, **host}
+        return {
+            "device_allocated": self.module.memory_allocated(self.device),
+            "device_reserved": self.module.memory_reserved(self.device),
+            "device_peak": self.module.max_memory_allocated(self.device),
+            **host,
+        }
+
+    def synchronize(self) -> None:
+        """Wait for queued device work. Only for measurements outside training steps
+        (calibration); steps are timed with events, never by synchronizing."""
+        if self.module is not None:
+            self.module.synchronize(self.device)
+
+    def event(self) -> Any:
+        """A timing event on the current stream (None on the host, where work is not queued)."""
+        if self.module is None:
+            return None
+        return self.module.Event(enable_timing=True)
+
+    def device_timer(self) -> EventTimer | None:
+        """Times compute regions by device events (the telemetry's ``DeviceTimer``); None on
+        the host, where the wall clock times work that runs in the call."""
+        return EventTimer(self) if self.queues_work else None
+
+    # ---- random number generators ------------------------------------------------------
+    def rng_states(self) -> dict[str, torch.Tensor]:
+        """This process's RNG states by device kind: the host's, and the device's if used."""
+        states = {HOST_KIND: torch.get_rng_state()}
+        module = self.module
+        if module is not None and module.is_initialized():
+            states[self.kind] = module.get_rng_state()
+        return states
+
+    def set_rng_states(self, states: dict[str, torch.Tensor]) -> None:
+        if HOST_KIND in states:
+            torch.set_rng_state(states[HOST_KIND])
+        if self.module is not None and self.kind in states:
+            self.module.set_rng_state(states[self.kind])
+
+
+class EventTimer:
+    """A region = an event recorded at its start and one at its end, on the current stream;
+    the elapsed time is read later, when the step ends."""
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self.accelerator = accelerator
+
+    def start(self) -> Any:
+        event = self.accelerator.event()
+        event.record()
+        return event
+
+    def stop(self, start: Any) -> Any:
+        end = self.accelerator.event()
+        end.record()
+
+        def seconds() -> float:
+            end.synchronize()  # at the step's end: its work has normally finished already
+            return start.elapsed_time(end) / 1e3
+
+        return seconds
 
 
 def _peak_rss() -> int:

@@ -74,9 +74,9 @@ def init_distributed(
     if store is None:
         store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout)
     extra: dict[str, torch.device] = {}
-    if accelerator.kind == "cuda":
-        torch.cuda.set_device(accelerator.device)
-        extra["device_id"] = accelerator.device  # eager NCCL init, bound to this device
+    if accelerator.queues_work:
+        accelerator.bind()
+        extra["device_id"] = accelerator.device  # eager communicator init, bound to this device
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **extra
     )

@@ -1,15 +1,25 @@
 """``ParallelContext``: a validated Plan turned into process groups on this rank.
 
-The whole dp x pp x sp x tp topology is one torch ``DeviceMesh`` with named axes (outermost
-first), so a rank's coordinates and the group of every axis come from one object that is passed
-explicitly to every strategy: no module-level state. Axis order puts tp innermost so tensor-
-parallel peers are adjacent ranks (same node, fastest links), then sp, pp, and dp outermost.
+The whole dp x pp x sp x tp topology (``topology.py``) is one torch ``DeviceMesh`` with named
+axes, tp innermost, plus the groups the strategies derive from it, so a rank's coordinates and
+every group it communicates in come from one object that is passed explicitly to every
+strategy: no module-level state. The groups it owns:
+
+| name                      | ranks that differ only in       | used for                       |
+|---------------------------|---------------------------------|--------------------------------|
+| dp, pp, sp, tp            | that axis                       | the four parallel dimensions   |
+| dp_sp                     | dp and sp                       | replicated gradients under sp  |
+| tp_row, tp_col (, tp_dep) | a row / column (/ depth) of tp  | 2D SUMMA, 2.5D Tesseract       |
+| embedding                 | pp: first and last stage only   | tied input/output embeddings   |
+
+plus ``pp_prev`` / ``pp_next``, the global ranks of the neighbouring pipeline stages. Groups
+are cached per axis sizes in the session's ``MeshCache`` (``comm.meshes``): rebuilding a context
+for the same plan, or another plan with the same sizes, creates no new group.
 
 ``ctx.telemetry`` is the telemetry carried by ``ctx.comm``: in a pool that is the session's
 (published to the notebook), under torchrun ``RankSession.from_env()``'s. It comes through the
 collectives rather than as another argument because the communication it reports is those
-collectives' own: the two can never disagree, and ``ParallelContext.build(plan, comm)`` in
-existing notebooks picks it up unchanged.
+collectives' own: the two can never disagree.
 """
 
 from __future__ import annotations
@@ -18,10 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-from kernels_runtime.comm import Collectives
+from kernels_runtime.comm import Accelerator, Collectives
+from kernels_runtime.mesh.cache import MeshCache
 from kernels_runtime.mesh.plan import AXES, Plan
+from kernels_runtime.mesh.topology import Topology
 from kernels_runtime.telemetry import Telemetry
 
 
@@ -32,48 +44,80 @@ class ParallelContext:
     comm: Collectives
     device: torch.device
     coords: dict[str, int] = field(default_factory=dict)
+    groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    topology: Topology | None = None
+    pp_prev: int | None = None
+    pp_next: int | None = None
 
     @classmethod
     def build(
         cls, plan: Plan | str, comm: Collectives | None = None, device: torch.device | None = None
     ) -> ParallelContext:
-        """Create the mesh for ``plan`` on the initialised default process group (collective:
-        every rank must call it with the same plan)."""
+        """The context of ``plan`` on the initialised default process group (collective: every
+        rank must call it with the same plan). Pass the session's ``comm`` to reuse its cached
+        groups; without one, a new ``Collectives`` (and new groups) is made."""
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: start a pool (`%colossal start`) or run "
                 "under torchrun and call kernels_runtime.session.RankSession.from_env() first"
             )
-        world = dist.get_world_size()
-        plan = Plan.parse(plan).validate(world)
+        plan = Plan.parse(plan).validate(dist.get_world_size())
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) \
-                if dist.get_backend() == "nccl" else torch.device("cpu")
-        shape = tuple(getattr(plan, axis) for axis in AXES)  # (dp, pp, sp, tp)
-        mesh = init_device_mesh(device.type, shape, mesh_dim_names=AXES)
+            device = Accelerator.for_backend(dist.get_backend()).device
         comm = comm if comm is not None else Collectives()
-        for axis in AXES:
-            comm.name_group(mesh.get_group(axis), axis)
-        coords = {axis: mesh.get_local_rank(axis) for axis in AXES}
-        return cls(plan=plan, mesh=mesh, comm=comm, device=device, coords=coords)
+        if comm.meshes is None:
+            comm.meshes = MeshCache()
+        topology = Topology.of(plan)
+        mesh = comm.meshes.get(topology, device.type)
+        groups = dict(mesh.groups)
+        if plan.tp_mode != "1d":
+            groups.update(mesh.tp_grid(plan.tp_mode, plan.tp_depth))
+        for name, group in groups.items():
+            comm.name_group(group, name)
+        for axis in AXES:  # an axis group shared with a derived one keeps the axis name
+            comm.name_group(groups[axis], axis)
+        rank = dist.get_rank()
+        prev, nxt = topology.pp_neighbours(rank)
+        return cls(plan=plan, mesh=mesh.device_mesh, comm=comm, device=device,
+                   coords=topology.coords(rank), groups=groups, topology=topology,
+                   pp_prev=prev, pp_next=nxt)
 
     def with_plan(self, plan: Plan | str) -> ParallelContext:
-        """The same mesh under another plan with the same axis sizes (e.g. another zero stage
-        or precision): no new process groups."""
+        """The same groups under another plan with the same axis sizes and tp mode (e.g.
+        another zero stage or precision)."""
         plan = Plan.parse(plan).validate(self.world_size)
-        if any(getattr(plan, a) != getattr(self.plan, a) for a in AXES):
+        same = ("tp_mode", "tp_depth", *AXES)
+        if any(getattr(plan, a) != getattr(self.plan, a) for a in same):
             raise ValueError(f"plan {plan.to_string()!r} needs another mesh than "
                              f"{self.plan.to_string()!r}; build a new ParallelContext")
-        return ParallelContext(plan, self.mesh, self.comm, self.device, dict(self.coords))
+        return ParallelContext(plan, self.mesh, self.comm, self.device, dict(self.coords),
+                               dict(self.groups), self.topology, self.pp_prev, self.pp_next)
 
     @property
     def telemetry(self) -> Telemetry:
         """Where ``train_step`` records steps (see the module docstring)."""
         return self.comm.telemetry
 
-    # ---- per-axis facts ------------------------------------------------------------------
-    def group(self, axis: str) -> dist.ProcessGroup:
-        return self.mesh.get_group(axis)
+    # ---- groups and coordinates -----------------------------------------------------------
+    def group(self, name: str) -> dist.ProcessGroup:
+        """The group called ``name`` (an axis, or a derived group; module docstring)."""
+        try:
+            return self.groups[name]
+        except KeyError:
+            raise KeyError(f"this context has no group {name!r} under plan "
+                           f"{self.plan.to_string()!r}; it has {sorted(self.groups)}") from None
+
+    def span_group(self, axes: tuple[str, ...] | set[str]) -> dist.ProcessGroup | None:
+        """The smallest group spanning ``axes`` where their size exceeds 1: None when no axis
+        does (nothing to reduce), the axis group for one, dp_sp for dp and sp, else the world."""
+        live = {a for a in axes if self.size(a) > 1}
+        if not live:
+            return None
+        if len(live) == 1:
+            return self.group(live.pop())
+        if live == {"dp", "sp"}:
+            return self.group("dp_sp")
+        return dist.group.WORLD
 
     def size(self, axis: str) -> int:
         return getattr(self.plan, axis)
@@ -100,6 +144,14 @@ class ParallelContext:
     @property
     def dp_rank(self) -> int:
         return self.coord("dp")
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coord("pp") == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coord("pp") == self.size("pp") - 1
 
     def describe(self) -> str:
         where = " ".join(f"{a}={self.coords[a]}/{self.size(a)}" for a in AXES)

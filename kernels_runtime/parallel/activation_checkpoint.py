@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels_runtime.parallel.state import ParallelState
+
 _CACHE_KWARGS = ("use_cache",)
 
 
@@ -100,3 +102,19 @@ def remove_activation_checkpointing(blocks: Iterable[nn.Module]) -> int:
             block.forward = wrapper.restore
         removed += 1
     return removed
+
+
+def check(state: ParallelState) -> str | None:
+    """Checkpointing needs blocks to wrap: the policy must find them."""
+    if state.ctx.plan.activation_checkpointing and not state.blocks:
+        return (f"activation_checkpointing: the {state.policy.name} policy found no transformer "
+                "blocks in this model; turn it off or pass a policy")
+    return None
+
+
+def apply(model: nn.Module, state: ParallelState) -> nn.Module:
+    """The applier (third in ``parallelize``'s order): wrap the policy's blocks."""
+    if state.ctx.plan.activation_checkpointing:
+        apply_activation_checkpointing(state.blocks)
+        state.applied.append("activation_checkpointing")
+    return model

@@ -13,8 +13,10 @@ Definitions (wall-clock seconds on this rank):
 - **compute**: wall time inside compute regions (``with telemetry.compute():`` -- in
   ``train_step`` each micro-batch's forward and backward and the optimizer step), less the
   communication waited for inside them (ZeRO's reductions finish at the end of backward). On a
-  GPU each region ends with a device synchronize, so queued kernels count where they ran rather
-  than at the next host sync.
+  GPU the host only queues work, so a region is timed by device events instead (a
+  ``DeviceTimer``), read when the step ends: never a device synchronize per region, which would
+  run the host in lockstep with the GPU. Reading them waits at most for the step's last kernel,
+  which the step's loss read-back has usually waited for already.
 - **waiting**: the rest, step - compute - communication: data loading, ``.item()`` syncs and
   host copies outside regions, Python glue, logging.
 
@@ -29,8 +31,18 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 Clock = Callable[[], float]
+
+
+class DeviceTimer(Protocol):
+    """Times a region of queued device work: ``stop(start())`` returns a callable that gives
+    the region's device seconds once its work has run (waiting for it if needed)."""
+
+    def start(self) -> Any: ...
+
+    def stop(self, token: Any) -> Callable[[], float]: ...
 
 
 @dataclass(frozen=True)
@@ -45,8 +57,9 @@ class StepSplitter:
     """Measures the open step window; ``blocked()`` is cumulative collective-blocked seconds."""
 
     def __init__(self, blocked: Clock, clock: Clock = time.perf_counter,
-                 synchronize: Callable[[], None] | None = None) -> None:
-        self.blocked, self.clock, self.synchronize = blocked, clock, synchronize
+                 device_timer: DeviceTimer | None = None) -> None:
+        self.blocked, self.clock, self.device_timer = blocked, clock, device_timer
+        self._device_regions: list[Callable[[], float]] = []  # resolvers of the open window
         self._start: float | None = None  # None: paused, no step window open
         self._blocked_at_start = 0.0
         self._compute = 0.0  # net compute seconds in the open window so far
@@ -64,15 +77,20 @@ class StepSplitter:
     def pause(self) -> None:
         """Close the window: the time until the next ``begin`` belongs to no step."""
         self._start = None
+        self._device_regions = []
 
     def end(self) -> StepTiming | None:
         """Close the step at now and open the next one right away; None if none was open."""
         if self._start is None:
             return None
-        now, blocked = self.clock(), self.blocked()
+        now = self.clock()
+        compute = self._compute + sum(resolve() for resolve in self._device_regions)
+        blocked = self.blocked()
         seconds = now - self._start
         comm = blocked - self._blocked_at_start
-        compute = self._compute
+        if self._device_regions:  # device time holds the stream's stalls on collectives too
+            compute = max(0.0, compute - comm)
+        self._device_regions = []
         waiting = max(0.0, seconds - compute - comm)
         self._start, self._blocked_at_start, self._compute = now, blocked, 0.0
         return StepTiming(seconds, compute, comm, waiting)
@@ -87,13 +105,20 @@ class StepSplitter:
             finally:
                 self._depth -= 1
             return
+        if self.device_timer is not None:
+            token = self.device_timer.start()
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                if self._start is not None:
+                    self._device_regions.append(self.device_timer.stop(token))
+            return
         t0, b0 = self.clock(), self.blocked()
         try:
             yield
         finally:
             self._depth -= 1
-            if self.synchronize is not None:
-                self.synchronize()
             t1, b1 = self.clock(), self.blocked()
             if self._start is not None:
                 if self._start > t0:  # the window opened inside this region: count from there
@@ -102,3 +127,4 @@ class StepSplitter:
 
     def _open_at(self, now: float) -> None:
         self._start, self._blocked_at_start, self._compute = now, self.blocked(), 0.0
+        self._device_regions = []

@@ -18,7 +18,7 @@ published under ``TELEMETRY_KEY``::
 Group names are the mesh axes (dp, pp, sp, tp) or "world". Tokens and samples are this rank's
 own (its data-parallel shard), so FLOP/s is this rank's achieved model FLOP/s.
 
-No torch here: the probes (memory, device synchronize) and the ``CommStats`` are injected, so
+No torch here: the probes (memory, a device-event timer) and the ``CommStats`` are injected, so
 the notebook side can import the schema, and the class is testable in a plain process.
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 
 from kernels_runtime.telemetry.flops import model_shape, training_flops_per_token
 from kernels_runtime.telemetry.publisher import Publisher, Send
-from kernels_runtime.telemetry.split import StepSplitter
+from kernels_runtime.telemetry.split import DeviceTimer, StepSplitter
 
 TELEMETRY_KEY = "colossal_telemetry"
 MemoryProbe = Callable[[], dict[str, int]]
@@ -75,7 +75,7 @@ class Telemetry:
         comm_stats: Any = None,
         *,
         memory: MemoryProbe | None = None,
-        synchronize: Callable[[], None] | None = None,
+        device_timer: DeviceTimer | None = None,
         publisher: Send | None = None,
         min_interval_s: float = 0.25,
         window: int = 32,
@@ -85,7 +85,7 @@ class Telemetry:
         self.memory = memory or host_memory
         self.flops_per_token: float | None = None  # set to override the model-based estimate
         self.disk_spill_bytes = 0
-        self.splitter = StepSplitter(self._blocked, clock, synchronize)
+        self.splitter = StepSplitter(self._blocked, clock, device_timer)
         self.publisher = Publisher(publisher, min_interval_s, clock)
         self.recent: deque[StepRecord] = deque(maxlen=window)
         self.last_published: dict[str, Any] | None = None
@@ -95,12 +95,12 @@ class Telemetry:
         self._published_state: tuple | None = None
 
     def configure(self, *, memory: MemoryProbe | None = None,
-                  synchronize: Callable[[], None] | None = None) -> None:
+                  device_timer: DeviceTimer | None = None) -> None:
         """Install the rank's device probes (the session does, from its accelerator)."""
         if memory is not None:
             self.memory = memory
-        if synchronize is not None:
-            self.splitter.synchronize = synchronize
+        if device_timer is not None:
+            self.splitter.device_timer = device_timer
 
     def set_publisher(self, send: Send | None) -> None:
         """Publish through ``send`` (e.g. datapub) from now on, from the calling thread only."""

@@ -2,9 +2,10 @@
 
 Why flat: one collective per bucket instead of one per parameter, and an equal-sized shard of
 every bucket per data-parallel rank, so ZeRO's reduce-scatter and all-gather move contiguous
-memory. Each bucket holds parameters of one optimizer param group (they share hyperparameters),
-in reverse registration order (roughly the order backward produces their gradients), padded to
-a multiple of the dp size.
+memory. Each bucket holds parameters of one optimizer param group (they share hyperparameters)
+with the same sharding over the other axes (a bucket's gradient norm and checkpoint writers are
+decided once for all its elements), in reverse registration order (roughly the order backward
+produces their gradients), padded to a multiple of the dp size.
 
 Model parameters become views into the bucket's parameter buffer, so there is no second copy.
 """
@@ -12,6 +13,7 @@ Model parameters become views into the bucket's parameter buffer, so there is no
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,19 +53,21 @@ def build_buckets(
     param_groups: list[list[tuple[str, nn.Parameter]]],
     dp: int,
     bucket_bytes: int,
+    key: Callable[[str], Hashable] = lambda name: (),
 ) -> list[Bucket]:
-    """Split each param group's parameters into buckets of about ``bucket_bytes``."""
+    """Split each param group's parameters into buckets of about ``bucket_bytes``; parameters
+    whose ``key`` differs never share a bucket."""
     buckets: list[Bucket] = []
     for g, named in enumerate(param_groups):
-        current: list[tuple[str, nn.Parameter]] = []
-        size = 0
+        open_buckets: dict[Hashable, tuple[list[tuple[str, nn.Parameter]], list[int]]] = {}
         for name, p in reversed(named):
+            current, size = open_buckets.setdefault(key(name), ([], [0]))
             current.append((name, p))
-            size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
+            size[0] += p.numel() * p.element_size()
+            if size[0] >= bucket_bytes:
                 buckets.append(_make_bucket(len(buckets), g, current, dp))
-                current, size = [], 0
-        if current:
+                del open_buckets[key(name)]
+        for current, _ in open_buckets.values():
             buckets.append(_make_bucket(len(buckets), g, current, dp))
     return buckets
 

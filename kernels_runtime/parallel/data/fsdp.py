@@ -6,12 +6,12 @@ gradients, fp32 sharded parameters as the master copy with ``MixedPrecisionPolic
 it rather than re-implement it, and keep the shared step logic (fp16 loss scaling with an
 overflow vote, global-norm clipping across shards) in ``BoostedOptimizer``. Blocks come from
 the model's policy; a model without known blocks is sharded as one unit.
+
+Each parameter's local shard is a dim-0 slice of the tensor earlier appliers left (the whole
+parameter, or a tensor-parallel shard of it), placed in the global tensor by its layout.
 """
 
 from __future__ import annotations
-
-import math
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -19,15 +19,18 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from kernels_runtime.api.optimizer import (
-    BoostedOptimizer,
-    Segment,
-    SegmentValues,
+from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.mesh.plan import AXES
+from kernels_runtime.mesh.shards import ParamLayout
+from kernels_runtime.optim import (
+    PARAM,
+    GradShard,
+    GradSync,
+    StatePiece,
     optimizer_state_tensors,
-    rebuild_optimizer,
     tensor_bytes,
 )
-from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.optim.state import replica_index, state_views, written_part
 from kernels_runtime.parallel.data.fsdp_comms import record_fsdp_comms
 from kernels_runtime.precision import compute_dtype
 
@@ -50,85 +53,89 @@ def shard_model(model: nn.Module, blocks: list[nn.Module], ctx: ParallelContext,
     return model
 
 
-class FsdpOptimizer(BoostedOptimizer):
-    _grads_sharded = True
+class FsdpState:
+    """The pieces of a ``fully_shard``-ed model: each parameter's local dim-0 shard (model-only
+    use: evaluation and inference under zero=3)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        ctx: ParallelContext,
-        *,
-        blocks: list[nn.Module],
-        precision: str,
-        max_grad_norm: float | None = None,
-    ) -> None:
-        super().__init__(ctx, precision, max_grad_norm)
-        names = {id(p): n for n, p in model.named_parameters()}
-        group_names = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-        self.model = shard_model(model, blocks, ctx, precision)
-        params = dict(self.model.named_parameters())  # new DTensor parameters, same names
-        self.inner = rebuild_optimizer(optimizer, [[params[n] for n in g] for g in group_names])
+    def __init__(self, model: nn.Module, ctx: ParallelContext,
+                 layouts: dict[str, ParamLayout]) -> None:
+        self.model, self.ctx = model, ctx
+        self.layouts = {n: layouts.get(n) or ParamLayout.replicated(tuple(p.shape))
+                        for n, p in model.named_parameters()}
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.model.set_requires_gradient_sync(self.sync_grads)
-        super().backward(loss)
+    def _box(self, p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        local = _local(p)
+        if not isinstance(p, DTensor):
+            return (0,) * p.dim(), tuple(p.shape)
+        _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        return tuple(offset), tuple(local.shape)
 
-    def _finish_grad_sync(self) -> None:
-        """FSDP2 reduce-scatters during backward and waits at its end."""
-
-    def _master_grads(self) -> list[torch.Tensor]:
-        return [_local(p.grad) for g in self.inner.param_groups for p in g["params"]
-                if p.grad is not None]
-
-    def _publish_params(self) -> None:
-        """Parameters are the sharded fp32 masters: the next forward all-gathers them."""
-
-    def _zero_grads(self) -> None:
-        self.inner.zero_grad(set_to_none=True)
-
-    # ---- checkpoint surface ------------------------------------------------------------
-    def _local_ranges(self) -> list[tuple[Segment, nn.Parameter]]:
-        """Each parameter's local dim-0 shard is one contiguous flat range of the parameter."""
+    def pieces(self, saving: bool, optimizer: torch.optim.Optimizer | None) -> list[StatePiece]:
         out = []
         for name, p in self.model.named_parameters():
-            local = _local(p)
-            if isinstance(p, DTensor):
-                _, offset = compute_local_shape_and_global_offset(
-                    p.shape, p.device_mesh, p.placements)
-                row = math.prod(p.shape[1:]) if p.dim() > 1 else 1
-                start = offset[0] * row if p.dim() else 0
+            layout = self.layouts[name]
+            offsets, sizes = self._box(p)
+            if saving:  # the dp shard is replicated along the axes the layout does not shard
+                replicated = [a for a in AXES if a != "dp" and a not in layout.sharded]
+                index, count = replica_index(self.ctx.coords,
+                                             {a: self.ctx.size(a) for a in AXES}, replicated)
+                part = written_part(offsets, sizes, index, count)
+                if part is None:
+                    continue
             else:
-                start = 0
-            out.append((Segment(name, tuple(p.shape), start, start + local.numel()), p))
-        return [(seg, p) for seg, p in out if seg.numel > 0]
+                part = (offsets, sizes)
+            if 0 in part[1] and p.dim():
+                continue
+            local = _local(p)
 
-    def saved_segments(self) -> list[tuple[Segment, SegmentValues]]:
-        out = []
-        for seg, p in self._local_ranges():
-            values = {"master": _local(p).detach().float().reshape(-1)}
-            for k, v in self.inner.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    values[k] = _local(v).reshape(-1)
-            out.append((seg, values))
+            def view(t: torch.Tensor, part=part, offsets=offsets) -> torch.Tensor:
+                t = _local(t)
+                return t[tuple(slice(o - base, o - base + s)
+                               for o, base, s in zip(part[0], offsets, part[1]))]
+
+            values = {PARAM: view(local), **state_views(optimizer, p, view)}
+            out.append(StatePiece(layout.shard(name, part), values))
         return out
 
-    def needed_segments(self) -> list[Segment]:
-        return [seg for seg, _ in self._local_ranges()]
+    def after_load(self) -> None:
+        """Shards are the parameters: the next forward all-gathers them."""
 
-    def load_segments(self, fetch: Callable[[Segment], SegmentValues]) -> None:
-        self.materialize_state()
-        with torch.no_grad():
-            for seg, p in self._local_ranges():
-                values = fetch(seg)
-                _local(p).reshape(-1).copy_(values["master"])
-                for k, v in self.inner.state[p].items():
-                    if isinstance(v, torch.Tensor) and v.dim() > 0:
-                        _local(v).reshape(-1).copy_(values[k])
 
-    def memory_breakdown(self) -> dict[str, int]:
+class FsdpGradSync(FsdpState, GradSync):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
+                 layouts: dict[str, ParamLayout], *, blocks: list[nn.Module],
+                 precision: str) -> None:
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._group_names = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        super().__init__(shard_model(model, blocks, ctx, precision), ctx, layouts)
+        self.params = dict(self.model.named_parameters())  # new DTensor parameters, same names
+
+    def master_groups(self) -> list[list[torch.Tensor]]:
+        return [[self.params[n] for n in g] for g in self._group_names]
+
+    def prepare_backward(self, sync: bool) -> None:
+        self.model.set_requires_gradient_sync(sync)
+
+    def finish(self) -> None:
+        """FSDP2 reduce-scatters during backward and waits at its end."""
+
+    def master_grads(self) -> list[GradShard]:
+        out = []
+        for name, p in self.params.items():
+            if p.grad is not None:
+                out.append(GradShard(_local(p.grad), self.layouts[name].sharded | {"dp"}))
+        return out
+
+    def publish(self) -> None:
+        """Parameters are the sharded fp32 masters: the next forward all-gathers them."""
+
+    def zero_grads(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+
+    def memory_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         params = [_local(p) for p in self.model.parameters()]
         grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
-        states = [_local(t) for t in optimizer_state_tensors(self.inner)]
+        states = [_local(t) for t in optimizer_state_tensors(optimizer)]
         return {"params": tensor_bytes(params), "grads": tensor_bytes(grads),
                 "optimizer": tensor_bytes(states)}

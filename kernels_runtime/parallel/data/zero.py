@@ -12,26 +12,31 @@ rank must issue collectives in the same order). A callback queued on the autogra
 starts what is left at the end of backward (parameters unused in this pass count as zero) and
 waits for all of it. Micro-batches inside ``no_sync()`` communicate nothing at stages 0 and 1;
 stage 2 reduce-scatters every micro-batch, trading communication for 1/dp gradient memory.
+
+Parameters are the tensors earlier appliers left (tensor-parallel shards, a stage's layers):
+buckets group parameters with the same sharding (``ParamLayout.signature``), and the state
+pieces of a bucket are placed in the global tensors through each parameter's layout.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.autograd import Variable
 
-from kernels_runtime.api.optimizer import (
-    BoostedOptimizer,
-    Segment,
-    SegmentValues,
+from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.mesh.plan import AXES
+from kernels_runtime.mesh.shards import ParamLayout, flat_range_boxes
+from kernels_runtime.optim import (
+    PARAM,
+    GradShard,
+    GradSync,
+    StatePiece,
     check_elementwise,
     optimizer_state_tensors,
-    rebuild_optimizer,
     tensor_bytes,
 )
-from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.optim.state import replica_index, state_views
 from kernels_runtime.parallel.data import zero_comms
 from kernels_runtime.parallel.data.buckets import Bucket, build_buckets
 from kernels_runtime.precision import compute_dtype
@@ -52,37 +57,35 @@ def named_param_groups(
     return groups
 
 
-class ZeroOptimizer(BoostedOptimizer):
+class ZeroGradSync(GradSync):
     def __init__(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         ctx: ParallelContext,
+        layouts: dict[str, ParamLayout],
         *,
         zero_stage: int,
         precision: str,
-        max_grad_norm: float | None = None,
         bucket_mb: float = 8.0,
     ) -> None:
-        super().__init__(ctx, precision, max_grad_norm)
         check_elementwise(optimizer)
-        self.stage = zero_stage
-        self._grads_sharded = zero_stage >= 1
+        self.ctx, self.stage = ctx, zero_stage
         self.dtype = compute_dtype(precision)
         self.dp, self.dp_rank = ctx.dp_size, ctx.dp_rank
         groups = named_param_groups(model, optimizer)
+        self.layouts = {n: layouts.get(n) or ParamLayout.replicated(tuple(p.shape))
+                        for g in groups for n, p in g}
         model.to(ctx.device)
-        self.buckets = build_buckets(groups, self.dp, int(bucket_mb * 2**20))  # still fp32
+        self.buckets = build_buckets(groups, self.dp, int(bucket_mb * 2**20),
+                                     key=lambda name: self.layouts[name].signature)
         self.masters = [self._make_master(b) for b in self.buckets]
         if self.dtype != torch.float32:
             for b in self.buckets:
                 _cast_bucket(b, self.dtype)
-            _cast_other_params(model, self.dtype)
+            cast_params(model, self.dtype)
         self._grad_store = [self._make_grad_store(b) for b in self.buckets]
-        self.inner = rebuild_optimizer(
-            optimizer, [[m for b, m in zip(self.buckets, self.masters) if b.group_index == g]
-                        for g in range(len(groups))]
-        )
+        self._groups = len(groups)
         self._slot = {id(p): (b.index, off) for b in self.buckets
                       for p, off in zip(b.params, b.offsets)}
         self._ready = [0] * len(self.buckets)
@@ -90,12 +93,12 @@ class ZeroOptimizer(BoostedOptimizer):
         self._pending: list[zero_comms.Finish] = []
         self._in_backward = False
         self._synced_since_step = False
+        self._sync = True
         # how many bucket reductions started while backward was still running vs at its end
         self.overlap = {"during_backward": 0, "at_end": 0}
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self._zero_grads()
 
     # ---- construction helpers ------------------------------------------------------------
     def _make_master(self, b: Bucket) -> torch.Tensor:
@@ -111,7 +114,14 @@ class ZeroOptimizer(BoostedOptimizer):
         size = b.shard_size if self.stage == 2 else b.padded
         return torch.zeros(size, dtype=self.dtype, device=b.flat_param.device)
 
+    def master_groups(self) -> list[list[torch.Tensor]]:
+        return [[m for b, m in zip(self.buckets, self.masters) if b.group_index == g]
+                for g in range(self._groups)]
+
     # ---- backward hooks ------------------------------------------------------------------
+    def prepare_backward(self, sync: bool) -> None:
+        self._sync = sync
+
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self._in_backward:
             self._in_backward = True
@@ -127,7 +137,7 @@ class ZeroOptimizer(BoostedOptimizer):
             self._launch_ready()
 
     def _syncing(self) -> bool:
-        return self.sync_grads or self.stage == 2
+        return self._sync or self.stage == 2
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets):
@@ -155,7 +165,7 @@ class ZeroOptimizer(BoostedOptimizer):
 
     def _end_of_backward(self) -> None:
         self._in_backward = False
-        if self.stage == 1 and self.sync_grads:
+        if self.stage == 1 and self._sync:
             if self._synced_since_step:
                 raise RuntimeError(
                     "zero=1 reduces gradients once per step: run every backward but the last of "
@@ -175,19 +185,23 @@ class ZeroOptimizer(BoostedOptimizer):
         self._next_launch = 0
 
     # ---- step hooks ----------------------------------------------------------------------
-    def _finish_grad_sync(self) -> None:
+    def finish(self) -> None:
         if self._next_launch or self._pending:
             self._drain()
 
-    def _master_grads(self) -> list[torch.Tensor]:
+    def _sharded_axes(self, b: Bucket) -> frozenset[str]:
+        own = self.layouts[b.names[0]].sharded
+        return own | {"dp"} if self.stage else own
+
+    def master_grads(self) -> list[GradShard]:
         grads = []
         for b, master, store in zip(self.buckets, self.masters, self._grad_store):
             g = store if self.stage != 1 else store[slice(*b.shard_range(self.dp_rank))]
             master.grad = g if g.dtype == torch.float32 else g.float()
-            grads.append(master.grad)
+            grads.append(GradShard(master.grad, self._sharded_axes(b)))
         return grads
 
-    def _publish_params(self) -> None:
+    def publish(self) -> None:
         gathers = []
         for b, master in zip(self.buckets, self.masters):
             if self.stage == 0:
@@ -202,7 +216,7 @@ class ZeroOptimizer(BoostedOptimizer):
         for wait in gathers:
             wait()
 
-    def _zero_grads(self) -> None:
+    def zero_grads(self) -> None:
         self._synced_since_step = False
         for b, store in zip(self.buckets, self._grad_store):
             store.zero_()
@@ -211,65 +225,60 @@ class ZeroOptimizer(BoostedOptimizer):
         for m in self.masters:
             m.grad = None
 
-    # ---- checkpoint surface ------------------------------------------------------------
-    def _ranges(self, saving: bool) -> list[tuple[Bucket, torch.Tensor, int, int, int]]:
-        """(bucket, master, start, end, master's flat offset) per bucket. Saving splits even
-        replicated (stage 0) buckets by dp rank so ranks write in parallel."""
+    # ---- model state ---------------------------------------------------------------------
+    def _range(self, b: Bucket, saving: bool) -> tuple[int, int, int]:
+        """(start, end) of the bucket's flat range this rank holds or writes, and the flat
+        offset where its master starts. Replicas of a range (every dp rank at stage 0, other
+        axes the bucket's parameters are replicated over) each write one part of it."""
+        base = 0 if self.stage == 0 else b.shard_range(self.dp_rank)[0]
+        start, end = (0, b.padded) if self.stage == 0 else b.shard_range(self.dp_rank)
+        if saving:
+            sharded = self._sharded_axes(b)
+            replicated = [a for a in AXES if a not in sharded]
+            index, count = replica_index(self.ctx.coords, {a: self.ctx.size(a) for a in AXES},
+                                         replicated)
+            span = end - start
+            start, end = start + span * index // count, start + span * (index + 1) // count
+        return start, end, base
+
+    def pieces(self, saving: bool, optimizer: torch.optim.Optimizer | None) -> list[StatePiece]:
         out = []
         for b, master in zip(self.buckets, self.masters):
-            s, e = b.shard_range(self.dp_rank)
-            base = 0 if self.stage == 0 else s
-            if not saving and self.stage == 0:
-                s, e = 0, b.padded
-            out.append((b, master, s, e, base))
+            start, end, base = self._range(b, saving)
+            for i, lo, hi in b.segments(start, end):
+                name, layout = b.names[i], self.layouts[b.names[i]]
+                local_shape = tuple(b.params[i].shape)
+                for box, flat in flat_range_boxes(local_shape, lo, hi):
+                    at = b.offsets[i] + flat - base
+                    sizes = box[1]
+
+                    def view(t: torch.Tensor, at: int = at, sizes: tuple = sizes) -> torch.Tensor:
+                        return t[at:at + _numel(sizes)].view(sizes)
+
+                    values = {PARAM: view(master), **state_views(optimizer, master, view)}
+                    out.append(StatePiece(layout.shard(name, box), values))
         return out
 
-    def _segments(self, b: Bucket, start: int, end: int) -> list[tuple[Segment, int]]:
-        return [(Segment(b.names[i], tuple(b.params[i].shape), lo, hi), b.offsets[i] + lo)
-                for i, lo, hi in b.segments(start, end)]
-
-    def saved_segments(self) -> list[tuple[Segment, SegmentValues]]:
-        out = []
-        for b, master, s, e, base in self._ranges(saving=True):
-            state = self.inner.state.get(master, {})
-            for seg, flat in self._segments(b, s, e):
-                lo, hi = flat - base, flat - base + seg.numel
-                values = {"master": master[lo:hi].float()}
-                values.update({k: v[lo:hi] for k, v in state.items()
-                               if isinstance(v, torch.Tensor) and v.shape == master.shape})
-                out.append((seg, values))
-        return out
-
-    def needed_segments(self) -> list[Segment]:
-        return [seg for b, _, s, e, _ in self._ranges(saving=False)
-                for seg, _ in self._segments(b, s, e)]
-
-    def load_segments(self, fetch: Callable[[Segment], SegmentValues]) -> None:
-        self.materialize_state()
-        with torch.no_grad():
-            for b, master, s, e, base in self._ranges(saving=False):
-                state = self.inner.state[master]
-                for seg, flat in self._segments(b, s, e):
-                    lo, hi = flat - base, flat - base + seg.numel
-                    values = fetch(seg)
-                    master[lo:hi].copy_(values["master"])
-                    for k, v in state.items():
-                        if isinstance(v, torch.Tensor) and v.shape == master.shape:
-                            v[lo:hi].copy_(values[k])
-            self._publish_params()
-
-    def memory_breakdown(self) -> dict[str, int]:
+    def memory_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         params = tensor_bytes([b.flat_param for b in self.buckets])
         grads = tensor_bytes(self._grad_store)
         masters = [m for b, m in zip(self.buckets, self.masters)
                    if m.untyped_storage().data_ptr() != b.flat_param.untyped_storage().data_ptr()]
-        states = tensor_bytes(optimizer_state_tensors(self.inner) + masters)
+        states = tensor_bytes(optimizer_state_tensors(optimizer) + masters)
         return {"params": params, "grads": grads, "optimizer": states}
 
 
-def _cast_other_params(model: nn.Module, dtype: torch.dtype) -> None:
-    """Parameters outside the buckets (frozen ones) follow the compute dtype; buffers such as
-    rotary frequencies stay in fp32, as under FSDP2's mixed precision."""
+def _numel(sizes: tuple[int, ...]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def cast_params(model: nn.Module, dtype: torch.dtype) -> None:
+    """Parameters outside the buckets (frozen ones; all of them without an optimizer) follow
+    the compute dtype; buffers such as rotary frequencies stay in fp32, as under FSDP2's mixed
+    precision."""
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)

@@ -1,0 +1,73 @@
+"""What a training step optimizes: a forward and a loss, kept apart.
+
+A pipeline runs the forward of a micro-batch across stages and the loss on the last one only,
+so the loss cannot be buried inside the forward. An ``Objective`` holds the two separately and
+is still callable as ``objective(model, batch)``, so any ``loss_fn(model, batch)`` written for
+the sequential schedule keeps working.
+
+Two objectives for ``(input_ids, labels)`` batches or dicts of model inputs with ``labels``:
+
+- ``causal_lm_loss`` (``train_step``'s default) lets the model compute its loss: HF models given
+  ``labels`` return an output with ``.loss``; any model may return the loss tensor itself.
+- ``next_token_loss`` computes it outside the model, from its logits: the labels shifted by one
+  position, ``-100`` ignored, averaged over the counted tokens in fp32, as transformers does
+  inside its causal LMs. This is the one a pipeline's last stage can run on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Objective:
+    forward: Callable[[nn.Module, Any], Any]  # (model, batch) -> output
+    loss: Callable[[Any, Any], torch.Tensor]  # (output, batch) -> scalar loss
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        return self.loss(self.forward(model, batch), batch)
+
+
+def _labels(batch: Any) -> torch.Tensor:
+    if isinstance(batch, dict):
+        return batch["labels"]
+    return batch[1]
+
+
+def lm_forward(model: nn.Module, batch: Any) -> Any:
+    """The model on the batch's inputs (without the labels: the loss is computed outside)."""
+    if isinstance(batch, dict):
+        return model(**{k: v for k, v in batch.items() if k != "labels"})
+    return model(input_ids=batch[0])
+
+
+def shifted_cross_entropy(output: Any, batch: Any) -> torch.Tensor:
+    """Next-token cross-entropy in fp32: logits at position t against the label at t + 1."""
+    logits = output.logits if hasattr(output, "logits") else output  # (b, s, V)
+    labels = _labels(batch)  # (b, s)
+    vocab = logits.shape[-1]
+    return nn.functional.cross_entropy(
+        logits[:, :-1].float().reshape(-1, vocab), labels[:, 1:].reshape(-1),
+        ignore_index=IGNORE_INDEX)
+
+
+def forward_with_labels(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return model(**batch)
+    return model(input_ids=batch[0], labels=batch[1])
+
+
+def model_loss(output: Any, batch: Any) -> torch.Tensor:
+    """The loss the model computed: ``output.loss``, or the output itself."""
+    return output.loss if hasattr(output, "loss") else output
+
+
+causal_lm_loss = Objective(forward=forward_with_labels, loss=model_loss)
+next_token_loss = Objective(forward=lm_forward, loss=shifted_cross_entropy)

@@ -1,0 +1,62 @@
+"""How a step's micro-batches run through the model: the schedule ``train_step`` hands them to.
+
+Without pipeline parallelism every rank runs the micro-batches one after another, forward
+then backward, communicating gradients only after the last (``SequentialSchedule``). A pipeline
+interleaves micro-batches across stages instead (its schedules live in
+``kernels_runtime.parallel.pipeline`` and are recorded in the model's ``ParallelState``); both
+present the same ``run``, so ``train_step`` is one loop for every plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from kernels_runtime.optim import BoostedOptimizer
+from kernels_runtime.telemetry import Telemetry
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+class Schedule(Protocol):
+    def run(self, model: nn.Module, optimizer: BoostedOptimizer, microbatches: Sequence[Any],
+            objective: LossFn, telemetry: Telemetry) -> torch.Tensor:
+        """Forward and backward every micro-batch; return the sum of their losses (a detached
+        fp32 scalar on the rank's device) without waiting for the device."""
+        ...
+
+
+class SequentialSchedule:
+    """Micro-batches one after another; each loss divided by their number so the gradient is
+    the mean over the local batch (the data-parallel mean happens in the reduction)."""
+
+    def run(self, model: nn.Module, optimizer: BoostedOptimizer, microbatches: Sequence[Any],
+            objective: LossFn, telemetry: Telemetry) -> torch.Tensor:
+        n = len(microbatches)
+        total = torch.zeros((), dtype=torch.float32, device=optimizer.ctx.device)
+        for i, batch in enumerate(microbatches):
+            batch = to_device(batch, optimizer.ctx.device)
+            sync = contextlib.nullcontext() if i == n - 1 else optimizer.no_sync()
+            with sync, telemetry.compute():
+                loss = objective(model, batch)
+                optimizer.backward(loss / n)
+            total += loss.detach().float()  # stays on the device: no host sync per micro-batch
+        return total
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor on ``device`` (tuples, lists, named tuples and dicts kept):
+    data loaders yield host tensors, the model lives on the rank's GPU. A no-op on CPU ranks."""
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return type(batch)((k, to_device(v, device)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch

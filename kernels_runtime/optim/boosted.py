@@ -1,0 +1,193 @@
+"""``BoostedOptimizer``: the optimizer a user gets back from ``parallelize``.
+
+It keeps the familiar surface (``backward(loss)``, ``step()``, ``zero_grad()``,
+``state_dict()``) while a strategy's ``GradSync`` decides where gradients and optimizer states
+live. The step is the same for every strategy:
+
+    finish gradient sync -> unscale (fp16) and agree on overflow across every rank that steps
+    -> clip by the global norm across every shard and replica axis -> inner optimizer step on
+    fp32 masters -> publish parameters
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.optim.norm import any_rank_overflowed, global_grad_norm
+from kernels_runtime.optim.rebuild import rebuild_optimizer
+from kernels_runtime.optim.state import StatePiece
+from kernels_runtime.optim.sync import GradShard, GradSync
+from kernels_runtime.precision.loss_scaler import DynamicLossScaler, NoLossScaler, has_inf_or_nan
+
+
+class BoostedOptimizer:
+    """Strategy-independent step logic over a ``GradSync``; see the module docstring."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, sync: GradSync, ctx: ParallelContext,
+                 precision: str, max_grad_norm: float | None) -> None:
+        self.ctx, self.sync = ctx, sync
+        self.precision = precision
+        self.max_grad_norm = max_grad_norm
+        self.scaler = DynamicLossScaler() if precision == "fp16" else NoLossScaler()
+        self.inner = rebuild_optimizer(optimizer, sync.master_groups())
+        self.sync_grads = True
+        self.last_grad_norm: float | None = None
+        self.steps_taken = 0
+        self.steps_skipped = 0
+        sync.zero_grads()
+
+    # ---- user surface ------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's groups: change ``lr`` here, or wrap ``self.inner`` in an LR
+        scheduler."""
+        return self.inner.param_groups
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled for fp16."""
+        self.sync.prepare_backward(self.sync_grads)
+        (loss * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (micro-batches before the last) without communication."""
+        previous, self.sync_grads = self.sync_grads, False
+        try:
+            yield
+        finally:
+            self.sync_grads = previous
+
+    def finish_grad_sync(self) -> None:
+        """Wait for the gradient reductions of the last backward (``step`` does this first)."""
+        self.sync.finish()
+
+    def step(self) -> bool:
+        """One optimizer step; returns False when fp16 overflow made it skip."""
+        self.sync.finish()
+        shards = self.sync.master_grads()
+        grads = [s.tensor for s in shards]
+        if isinstance(self.scaler, DynamicLossScaler):
+            inv = 1.0 / self.scaler.scale
+            for g in grads:
+                g.mul_(inv)
+            if any_rank_overflowed(has_inf_or_nan(grads), self.ctx):
+                self.scaler.update(True)
+                self.steps_skipped += 1
+                self.zero_grad()
+                return False
+            self.scaler.update(False)
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = self._clip(shards, self.max_grad_norm)
+        self.inner.step()
+        self.sync.publish()
+        self.steps_taken += 1
+        self.zero_grad()
+        return True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.sync.zero_grads()
+
+    def global_grad_norm(self, shards: list[GradShard]) -> float:
+        """L2 norm of the full gradient across every shard and replica axis."""
+        return global_grad_norm(shards, self.ctx)
+
+    def _clip(self, shards: list[GradShard], max_norm: float) -> float:
+        norm = self.global_grad_norm(shards)
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for s in shards:
+                s.tensor.mul_(coef)
+        return norm
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer states (including fp32
+        master copies, as the ZeRO paper counts them)."""
+        return self.sync.memory_breakdown(self.inner)
+
+    # ---- model state -------------------------------------------------------------------
+    def pieces(self, saving: bool) -> list[StatePiece]:
+        """This rank's model and optimizer state as n-D shard pieces (``optim/state.py``)."""
+        return self.sync.pieces(saving, self.inner)
+
+    def after_load(self) -> None:
+        self.sync.after_load()
+
+    def scalar_state(self) -> dict[str, Any]:
+        """Step counters and loss scale: small, identical on every rank, saved as JSON."""
+        groups = []
+        for group in self.inner.param_groups:
+            state = self.inner.state.get(group["params"][0], {}) if group["params"] else {}
+            groups.append({k: float(v) for k, v in state.items()
+                           if isinstance(v, torch.Tensor) and v.dim() == 0})
+        return {"groups": groups, "scaler": self.scaler.state_dict(),
+                "steps_taken": self.steps_taken, "steps_skipped": self.steps_skipped}
+
+    def load_scalar_state(self, state: dict[str, Any]) -> None:
+        for group, saved in zip(self.inner.param_groups, state["groups"]):
+            for p in group["params"]:
+                for k, v in saved.items():
+                    if k in self.inner.state.get(p, {}):
+                        self.inner.state[p][k].fill_(v)
+        self.scaler.load_state_dict(state["scaler"])
+        self.steps_taken = state["steps_taken"]
+        self.steps_skipped = state["steps_skipped"]
+
+    def materialize_state(self) -> None:
+        """Create the inner optimizer's lazily built state (zeros) without changing anything:
+        one step with zero gradients at learning rate 0. Loading then overwrites it."""
+        params = [p for g in self.inner.param_groups for p in g["params"]]
+        if all(p in self.inner.state for p in params):
+            return
+        lrs = [g["lr"] for g in self.inner.param_groups]
+        for g in self.inner.param_groups:
+            g["lr"] = 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        self.inner.step()
+        for g, lr in zip(self.inner.param_groups, lrs):
+            g["lr"] = lr
+        for p in params:
+            p.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state, copied: every piece it holds and the scalar state. It loads back
+        only under the same plan on the same rank; ``kernels_runtime.checkpoint`` saves and
+        reshards across plans."""
+        pieces = [(_shard_dict(p), {k: v.detach().clone() for k, v in p.values.items()})
+                  for p in self.pieces(saving=False)]
+        return {"pieces": pieces, "scalar": self.scalar_state(),
+                "has_state": bool(self.inner.state)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what ``state_dict`` returned on this rank under the same plan."""
+        saved = {_shard_key(d): values for d, values in state["pieces"]}
+        self.materialize_state()
+        with torch.no_grad():
+            for piece in self.pieces(saving=False):
+                key = (piece.shard.name, piece.shard.offsets, piece.shard.sizes)
+                if key not in saved:
+                    raise ValueError(
+                        f"{piece.shard} is not in this state dict: it loads only under the plan "
+                        "and on the rank that made it; use kernels_runtime.checkpoint.save/load "
+                        "to change plans")
+                for k, view in piece.values.items():
+                    if k in saved[key]:
+                        view.copy_(saved[key][k])
+        if not state.get("has_state", True):
+            self.inner.state.clear()
+        self.load_scalar_state(state["scalar"])
+        self.after_load()
+
+
+def _shard_dict(piece: StatePiece) -> dict[str, Any]:
+    s = piece.shard
+    return {"name": s.name, "shape": s.shape, "offsets": s.offsets, "sizes": s.sizes}
+
+
+def _shard_key(d: dict[str, Any]) -> tuple:
+    return d["name"], tuple(d["offsets"]), tuple(d["sizes"])

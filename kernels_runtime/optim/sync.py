@@ -1,0 +1,67 @@
+"""``GradSync``: what one data-parallel strategy does around the shared optimizer step.
+
+The boosted optimizer's step is the same for every strategy (``boosted.py``); what differs is
+where gradients are reduced, which fp32 tensors the inner optimizer updates and how updated
+values get back into the model. A strategy supplies one ``GradSync`` object with those answers
+instead of subclassing the optimizer, so a strategy is one object with one job and the step
+logic exists once. The same object lays out the model state (``ModelState``), so checkpoints
+see every strategy through the same pieces.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from kernels_runtime.optim.state import StatePiece
+
+
+@dataclass(frozen=True)
+class GradShard:
+    """An fp32 gradient tensor and the axes along which ranks hold different parts of it
+    (dp for ZeRO shards, tp for tensor-parallel weights, pp for a stage's parameters). Along
+    the other axes it is replicated: a global norm counts it once there."""
+
+    tensor: torch.Tensor
+    sharded: frozenset[str] = frozenset()
+
+
+class GradSync(ABC):
+    """One strategy's gradient reduction, master tensors and parameter publication."""
+
+    @abstractmethod
+    def master_groups(self) -> list[list[torch.Tensor]]:
+        """The fp32 tensors the inner optimizer updates, per optimizer param group."""
+
+    def prepare_backward(self, sync: bool) -> None:  # noqa: B027 - optional hook
+        """Called before each backward; ``sync=False`` inside ``no_sync()``."""
+
+    @abstractmethod
+    def finish(self) -> None:
+        """Wait for every gradient reduction started in backward."""
+
+    @abstractmethod
+    def master_grads(self) -> list[GradShard]:
+        """fp32 gradients, set as ``.grad`` of the masters, with their sharding."""
+
+    @abstractmethod
+    def publish(self) -> None:
+        """Updated masters into the model's parameters (copies, all-gathers)."""
+
+    @abstractmethod
+    def zero_grads(self) -> None:
+        """Drop gradients (and the masters' ``.grad``)."""
+
+    @abstractmethod
+    def memory_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes this rank holds for params, grads and optimizer (fp32 masters included)."""
+
+    @abstractmethod
+    def pieces(self, saving: bool, optimizer: torch.optim.Optimizer | None) -> list[StatePiece]:
+        """The ``ModelState`` pieces: "param" is the master, states come from ``optimizer``."""
+
+    def after_load(self) -> None:
+        """Loaded masters into the parameters."""
+        self.publish()

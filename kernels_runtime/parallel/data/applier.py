@@ -1,0 +1,80 @@
+"""The data-parallel applier: replicas start equal, then ZeRO 0-2 on flat buckets or ZeRO-3 on
+FSDP2, over whatever layout the earlier appliers left.
+
+With an optimizer (``parallelize``) it builds the strategy's ``GradSync``, which is also the
+model's state layout; without one (``parallelize_model``: evaluation, inference) parameters are
+only made equal across replicas and cast to the compute dtype (zero 0-2), or sharded at rest
+(zero 3).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.parallel.data.fsdp import FsdpGradSync, FsdpState, shard_model
+from kernels_runtime.parallel.data.replicated import ReplicatedState
+from kernels_runtime.parallel.data.zero import ZeroGradSync, cast_params
+from kernels_runtime.parallel.state import ParallelState
+from kernels_runtime.precision import compute_dtype
+
+
+def check(state: ParallelState) -> str | None:
+    """Nothing is refused here: every zero stage runs (``Plan.validate`` checked the rest)."""
+    return None
+
+
+def apply(model: nn.Module, state: ParallelState) -> nn.Module:
+    ctx, plan = state.ctx, state.ctx.plan
+    model.to(ctx.device)
+    sync_module_states(model, ctx)
+    if plan.zero_stage == 3:
+        if state.optimizer is None:
+            shard_model(model, state.blocks, ctx, plan.precision)
+            state.model_state = FsdpState(model, ctx, state.layouts)
+        else:
+            state.grad_sync = FsdpGradSync(model, state.optimizer, ctx, state.layouts,
+                                           blocks=state.blocks, precision=plan.precision)
+            state.model_state = state.grad_sync
+    else:
+        if state.optimizer is None:
+            cast_params(model, compute_dtype(plan.precision))
+            state.model_state = ReplicatedState(model, ctx, state.layouts)
+        else:
+            state.grad_sync = ZeroGradSync(model, state.optimizer, ctx, state.layouts,
+                                           zero_stage=plan.zero_stage, precision=plan.precision,
+                                           bucket_mb=state.bucket_mb)
+            state.model_state = state.grad_sync
+        if plan.precision != "fp32":
+            model.register_forward_pre_hook(_input_caster(compute_dtype(plan.precision)),
+                                            with_kwargs=True)
+    state.applied.append("data")
+    return model
+
+
+def sync_module_states(model: nn.Module, ctx: ParallelContext) -> None:
+    """Broadcast parameters and buffers from the first rank of each dp group."""
+    if ctx.dp_size == 1:
+        return
+    group = ctx.dp_group
+    src = dist.get_global_rank(group, 0)
+    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.numel()]
+    pending = [ctx.comm.broadcast_async(t.data, src=src, group=group) for t in tensors]
+    for op in pending:
+        op.wait()
+
+
+def _input_caster(dtype: torch.dtype):
+    """Cast floating-point inputs to the model's dtype (pixel values, embeddings passed in)."""
+
+    def cast(t: Any) -> Any:
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    return hook
