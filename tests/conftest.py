@@ -1,12 +1,33 @@
-"""Shared fixtures: an in-process IPython shell with the workbench loaded and a 2-rank pool."""
+"""Shared fixtures: pools of real gloo ranks reused across the session, and an in-process
+IPython shell with the workbench loaded and a 2-rank engine pool."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 
 import pytest
 
 os.environ.setdefault("IPP_NONINTERACTIVE", "1")
+
+
+@pytest.fixture(scope="session")
+def ranks() -> Iterator[Callable[[int], object]]:
+    """``ranks(n)``: a ``RankPool`` of n gloo ranks (2, 4 or 8), started on first use and reused
+    by every test of the session; ``ranks(n).run(fn, *args)`` returns each rank's value. A test
+    whose ranks fail gets fresh processes for the next test."""
+    from helpers.distributed import RankPool
+
+    pools: dict[int, RankPool] = {}
+
+    def get(n: int) -> RankPool:
+        if n not in pools:
+            pools[n] = RankPool(n, pg_timeout_s=30.0)
+        return pools[n]
+
+    yield get
+    for pool in pools.values():
+        pool.close()
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from kernels_runtime.calibrate import compute
 from kernels_runtime.calibrate.comm import RING, collective_fit, overlap_fraction
 from kernels_runtime.calibrate.proxy import ProxyBlock
 from kernels_runtime.calibrate.runtime import runtime_overheads
-from kernels_runtime.comm import Collectives
+from kernels_runtime.comm import Accelerator, Collectives
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,25 +51,26 @@ def measure(
     shapes the compute benchmarks use, and ``activation`` its MLP activation (the model's,
     ideally: the memory-bound rate depends on both)."""
     started = time.perf_counter()
-    cuda = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    accelerator = Accelerator.for_backend(dist.get_backend())
+    on_device = accelerator.queues_work  # a GPU: calibrate at the sizes it trains at
+    device, sync = accelerator.device, accelerator.synchronize
     world = dist.get_world_size()
     comm = Collectives()
-    b, s, h, heads, ffn = block or ((4, 2048, 4096, 32, 16384) if cuda else (4, 128, 256, 4, 1024))
+    default = (4, 2048, 4096, 32, 16384) if on_device else (4, 128, 256, 4, 1024)
+    b, s, h, heads, ffn = block or default
     shapes = ProxyBlock.products(b, s, h, ffn)
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name() if cuda else "cpu",
+    out: dict[str, Any] = {"device": accelerator.name(),
                            "backend": dist.get_backend(), "world": world,
                            "block": [b, s, h, heads, ffn], "activation_fn": activation,
                            "matmul": {}, "attention": {},
                            "activation": {}, "elementwise": {}}
-    if cuda:
-        out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    if on_device:
+        out["memory_bytes"] = accelerator.total_memory()
     else:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         out["memory_bytes"] = psutil.virtual_memory().total // max(1, local)
     for name in dtypes:
-        if name == "bf16" and cuda and not torch.cuda.is_bf16_supported():
+        if not accelerator.supports(DTYPES[name]):
             continue
         dtype = DTYPES[name]
         comm.barrier()
@@ -83,7 +84,7 @@ def measure(
     out["adam"] = compute.adam_rate(b * s * ffn, device, sync, window_s)
     out["collectives"] = {}
     if world > 1:
-        sizes = (1 << 12, 1 << 24, 1 << 28) if cuda else (1 << 12, 1 << 20, 1 << 23)
+        sizes = (1 << 12, 1 << 24, 1 << 28) if on_device else (1 << 12, 1 << 20, 1 << 23)
         for op in RING:
             out["collectives"][op] = collective_fit(op, sizes, comm, None, device, reps)
         out["overlap"] = overlap_fraction(comm, None, device, sizes[-1], sync, reps)

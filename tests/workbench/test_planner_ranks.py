@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 
 import pytest
-from dp_models import local_microbatches, make_model
 
 from workbench.planner import ModelSpec, calibrate, calibrate_ranks, predict
 from workbench.planner.hardware import from_measurements
 
 from helpers.distributed import run_ranks
+from helpers.models import local_microbatches, make_model
 
 # fp16 stores what bf16 stores (2-byte parameters and gradients, fp32 masters)
 COMBOS = [(zero, precision) for precision in ("fp32", "bf16") for zero in (0, 1, 2, 3)]
@@ -89,11 +89,11 @@ def test_predicted_model_states_equal_memory_breakdown(two_ranks):
 
 @pytest.mark.parametrize("precision,ckpt", [("fp32", False), ("bf16", False), ("fp32", True)])
 def test_predicted_activations_equal_saved_tensors(precision: str, ckpt: bool):
-    from dp_models import DTYPES, hf_loss
-
     from kernels_runtime.memory.saved_activations import peak_saved_bytes
     from kernels_runtime.parallel.activation_checkpoint import apply_activation_checkpointing
     from kernels_runtime.policies import get_policy
+
+    from helpers.models import DTYPES, hf_loss
 
     model = make_model("gpt2").to(DTYPES[precision])
     blocks = get_policy(model).blocks(model)

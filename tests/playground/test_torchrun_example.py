@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kernels_runtime.comm import find_free_port
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt2.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt2.py"
 
 
 def _torchrun(*args: str, cwd: Path) -> dict:

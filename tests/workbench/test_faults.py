@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kernel_session import KernelSession
+from helpers.kernel_session import KernelSession
 
 pytestmark = pytest.mark.engines
 

@@ -12,7 +12,7 @@ from workbench.notebook_runner import run_notebook
 from helpers.reports import report_traces
 
 pytestmark = pytest.mark.engines
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
 
 def test_quickstart_runs_and_shows_rank0_output():

@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import math
 
-import dp_models as dm
+import pytest
 import torch
 
-from helpers.distributed import run_ranks
+from helpers import models as dm
+from helpers.distributed import context
 
 OVERFLOW_STEP = 3
 
 
 def _run_fp16(rank: int, world: int, zero: int) -> dict:
-    from kernels_runtime.api import parallelize, train_step
+    from kernels_runtime import parallelize, train_step
 
     model = dm.make_model("llama")
     opt = torch.optim.AdamW(model.parameters(), lr=dm.LR)
-    model, opt = parallelize(model, opt, f"dp={world} zero={zero} fp16")
+    model, opt = parallelize(model, opt, ctx=context(f"dp={world} zero={zero} fp16"))
     inject = {"on": False}
     first = next(model.parameters())
     if zero < 3:  # poison one element of one gradient before it is reduced
@@ -48,16 +49,16 @@ def _run_fp16(rank: int, world: int, zero: int) -> dict:
             "skipped": opt.steps_skipped}
 
 
-def test_fp16_overflow_is_skipped_on_every_rank_and_training_recovers():
-    for zero in (1, 3):
-        results = run_ranks(_run_fp16, 2, zero, timeout_s=300)
-        for rank, r in enumerate(results):
-            label = f"zero={zero} rank {rank}"
-            assert r["stepped"][OVERFLOW_STEP] is False, label
-            assert r["unchanged"], f"{label}: parameters changed on a skipped step"
-            assert r["scales"][OVERFLOW_STEP] == r["scales"][OVERFLOW_STEP - 1] / 2, label
-            assert all(r["stepped"][s] for s in range(len(r["stepped"])) if s != OVERFLOW_STEP)
-            later = r["losses"][OVERFLOW_STEP + 1:]
-            assert all(math.isfinite(x) for x in later), label
-            assert later[-1] < r["losses"][0] * 0.9, f"{label}: did not recover"
-        assert results[0]["stepped"] == results[1]["stepped"]
+@pytest.mark.parametrize("zero", [1, 3])
+def test_fp16_overflow_is_skipped_on_every_rank_and_training_recovers(ranks, zero):
+    results = ranks(2).run(_run_fp16, zero, timeout_s=300)
+    for rank, r in enumerate(results):
+        label = f"zero={zero} rank {rank}"
+        assert r["stepped"][OVERFLOW_STEP] is False, label
+        assert r["unchanged"], f"{label}: parameters changed on a skipped step"
+        assert r["scales"][OVERFLOW_STEP] == r["scales"][OVERFLOW_STEP - 1] / 2, label
+        assert all(r["stepped"][s] for s in range(len(r["stepped"])) if s != OVERFLOW_STEP)
+        later = r["losses"][OVERFLOW_STEP + 1:]
+        assert all(math.isfinite(x) for x in later), label
+        assert later[-1] < r["losses"][0] * 0.9, f"{label}: did not recover"
+    assert results[0]["stepped"] == results[1]["stepped"]

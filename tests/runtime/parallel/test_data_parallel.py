@@ -2,19 +2,19 @@
 
 For zero 0/1/2/3 x fp32/bf16 x gradient accumulation 1/4 x tiny GPT-2/LLaMA, 20 steps on 2 and
 4 real gloo ranks give the losses and final parameters of an independent single-process
-reference (fp32: relative 1e-5 on losses; bf16: 2e-2). All combinations of one world size run
-in one set of rank processes, on one mesh, to keep the suite fast.
+reference (fp32: relative 1e-5 on losses; bf16: 2e-2). Every combination is its own test case
+(``-k "gpt2 and zero2"`` selects some), run on the session's rank pool of its world size.
 """
 
 from __future__ import annotations
 
 import itertools
 
-import dp_models as dm
 import pytest
 import torch
 
-from helpers.distributed import run_ranks
+from helpers import models as dm
+from helpers.distributed import context
 
 STEPS = 20
 COMBOS = list(itertools.product(("gpt2", "llama"), (0, 1, 2, 3), ("fp32", "bf16"), (1, 4)))
@@ -29,25 +29,30 @@ CKPT_COMBOS = [("gpt2", 2, "fp32", 1, "ckpt"), ("llama", 3, "bf16", 4, "ckpt")]
 TOLERANCE = {"fp32": (1e-5, 1e-5, 1e-4), "bf16": (2e-2, 2e-2, None)}
 
 
-def _train_all(rank: int, world: int, combos: list) -> dict:
-    from kernels_runtime.api import parallelize, train_step
-    from kernels_runtime.mesh.context import ParallelContext
+def _label(combo: tuple) -> str:
+    kind, zero, precision, accum, *flags = combo
+    return "-".join([kind, f"zero{zero}", precision, f"accum{accum}", *flags])
 
-    base = ParallelContext.build(f"dp={world}")
-    out = {}
-    for kind, zero, precision, accum, *flags in combos:
-        ctx = base.with_plan(f"dp={world} zero={zero} {precision} {' '.join(flags)}")
-        model = dm.make_model(kind)
-        opt = torch.optim.AdamW(model.parameters(), lr=dm.LR, weight_decay=dm.WEIGHT_DECAY)
-        model, opt = parallelize(model, opt, ctx=ctx)
-        losses = []
-        for step in range(STEPS):
-            mbs = dm.local_microbatches(step, ctx.dp_rank, ctx.dp_size, accum)
-            losses.append(train_step(model, opt, mbs, loss_fn=dm.hf_loss).loss)
-        params = dm.full_parameters(model)
-        if rank == 0:
-            out[(kind, zero, precision, accum, *flags)] = (losses, params)
-    return out
+
+CASES = ([pytest.param(2, c, id=f"2ranks-{_label(c)}") for c in COMBOS + CKPT_COMBOS]
+         + [pytest.param(4, c, id=f"4ranks-{_label(c)}", marks=pytest.mark.slow)
+            for c in COMBOS_4])
+
+
+def _train(rank: int, world: int, combo: tuple) -> tuple[list[float], dict] | None:
+    from kernels_runtime import parallelize, train_step
+
+    kind, zero, precision, accum, *flags = combo
+    ctx = context(f"dp={world} zero={zero} {precision} {' '.join(flags)}")
+    model = dm.make_model(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=dm.LR, weight_decay=dm.WEIGHT_DECAY)
+    model, opt = parallelize(model, opt, ctx=ctx)
+    losses = []
+    for step in range(STEPS):
+        mbs = dm.local_microbatches(step, ctx.dp_rank, ctx.dp_size, accum)
+        losses.append(train_step(model, opt, mbs, loss_fn=dm.hf_loss).loss)
+    params = dm.full_parameters(model)
+    return (losses, params) if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
@@ -56,27 +61,25 @@ def references() -> dict:
             for k in ("gpt2", "llama") for p in ("fp32", "bf16")}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_zero_stages_match_single_process_training(world, references):
-    combos = COMBOS + CKPT_COMBOS if world == 2 else COMBOS_4
-    results = run_ranks(_train_all, world, combos, timeout_s=900)[0]
-    assert len(results) == len(combos)
+@pytest.mark.parametrize("world, combo", CASES)
+def test_zero_stage_matches_single_process_training(ranks, references, world, combo):
+    losses, params = ranks(world).run(_train, combo, timeout_s=300)[0]
+    kind, zero, precision, accum, *flags = combo
+    ref_losses, ref_params = references[(kind, precision)]
+    loss_tol, param_tol, max_abs_tol = TOLERANCE[precision]
+    label = f"{kind} zero={zero} {precision} accum={accum} world={world} {flags}"
     failures = []
-    for (kind, zero, precision, accum, *flags), (losses, params) in results.items():
-        ref_losses, ref_params = references[(kind, precision)]
-        loss_tol, param_tol, max_abs_tol = TOLERANCE[precision]
-        label = f"{kind} zero={zero} {precision} accum={accum} world={world} {flags}"
-        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-        if rel > loss_tol:
-            failures.append(f"{label}: loss rel diff {rel:.2e} > {loss_tol}")
-        diff = torch.cat([(params[n] - ref_params[n]).reshape(-1) for n in ref_params])
-        ref = torch.cat([ref_params[n].reshape(-1) for n in ref_params])
-        rel_l2 = (diff.norm() / ref.norm()).item()
-        if rel_l2 > param_tol:
-            failures.append(f"{label}: parameters rel L2 diff {rel_l2:.2e} > {param_tol}")
-        if max_abs_tol is not None and diff.abs().max().item() > max_abs_tol:
-            failures.append(f"{label}: param max abs diff {diff.abs().max():.2e} > {max_abs_tol}")
-        assert losses[-1] < 0.9 * losses[0], f"{label}: did not learn"
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    if rel > loss_tol:
+        failures.append(f"{label}: loss rel diff {rel:.2e} > {loss_tol}")
+    diff = torch.cat([(params[n] - ref_params[n]).reshape(-1) for n in ref_params])
+    ref = torch.cat([ref_params[n].reshape(-1) for n in ref_params])
+    rel_l2 = (diff.norm() / ref.norm()).item()
+    if rel_l2 > param_tol:
+        failures.append(f"{label}: parameters rel L2 diff {rel_l2:.2e} > {param_tol}")
+    if max_abs_tol is not None and diff.abs().max().item() > max_abs_tol:
+        failures.append(f"{label}: param max abs diff {diff.abs().max():.2e} > {max_abs_tol}")
+    assert losses[-1] < 0.9 * losses[0], f"{label}: did not learn"
     assert not failures, "\n".join(failures)
 
 
@@ -89,10 +92,9 @@ FORMULA = {  # bytes per parameter per rank (ZeRO paper; fp32 masters counted as
 
 
 def _memory(rank: int, world: int) -> dict:
-    from kernels_runtime.api import parallelize
-    from kernels_runtime.mesh.context import ParallelContext
+    from kernels_runtime import parallelize
 
-    base = ParallelContext.build(f"dp={world}")
+    base = context(f"dp={world}")
     out = {}
     for precision in ("fp32", "bf16"):
         for zero in (0, 1, 2, 3):
@@ -111,9 +113,9 @@ def _memory(rank: int, world: int) -> dict:
     return out
 
 
-def test_model_state_memory_per_rank_matches_zero_formulas():
+def test_model_state_memory_per_rank_matches_zero_formulas(ranks):
     world = 2
-    for (zero, precision), (measured, numel) in run_ranks(_memory, world)[0].items():
+    for (zero, precision), (measured, numel) in ranks(world).run(_memory)[0].items():
         per_param = FORMULA[precision][zero]
         expected = numel * (per_param(world) if callable(per_param) else per_param)
         assert abs(measured / expected - 1) <= 0.10, (zero, precision, measured, expected)
@@ -136,9 +138,9 @@ def _conv_run(rank: int, world: int, zero: int | None) -> list[float]:
     model = _ConvNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if zero is not None:
-        from kernels_runtime.api import parallelize
+        from kernels_runtime import parallelize
 
-        model, opt = parallelize(model, opt, f"dp={world} zero={zero}")
+        model, opt = parallelize(model, opt, ctx=context(f"dp={world} zero={zero}"))
     losses = []
     for step in range(10):
         g = torch.Generator().manual_seed(step)
@@ -158,20 +160,20 @@ def _conv_runs(rank: int, world: int) -> dict[int, list[float]]:
     return {zero: _conv_run(rank, world, zero) for zero in (0, 2, 3)}
 
 
-def test_model_without_policy_trains_under_data_parallelism():
+def test_model_without_policy_trains_under_data_parallelism(ranks):
     reference = _conv_run(0, 1, None)
-    per_rank = run_ranks(_conv_runs, 2)
+    per_rank = ranks(2).run(_conv_runs)
     for zero in (0, 2, 3):
         mean = [(a + b) / 2 for a, b in zip(per_rank[0][zero], per_rank[1][zero])]
         assert max(abs(a - b) / abs(b) for a, b in zip(mean, reference)) < 1e-5, zero
 
 
 def _overlap(rank: int, world: int) -> dict:
-    from kernels_runtime.api import parallelize, train_step
+    from kernels_runtime import parallelize, train_step
 
     model = dm.make_model("llama")
     opt = torch.optim.AdamW(model.parameters(), lr=dm.LR)
-    model, opt = parallelize(model, opt, f"dp={world} zero=1", bucket_mb=0.01)
+    model, opt = parallelize(model, opt, ctx=context(f"dp={world} zero=1"), bucket_mb=0.01)
     train_step(model, opt, dm.local_microbatches(0, rank, world, 1), loss_fn=dm.hf_loss)
     stats = {"buckets": len(opt.sync.buckets), **opt.sync.overlap}
     batch = dm.local_microbatches(1, rank, world, 1)[0]
@@ -183,22 +185,19 @@ def _overlap(rank: int, world: int) -> dict:
     return stats
 
 
-def test_gradient_reduction_starts_during_backward():
+def test_gradient_reduction_starts_during_backward(ranks):
     """With several buckets, all but the last-ready ones are reduced while backward runs."""
-    stats = run_ranks(_overlap, 2)[0]
+    stats = ranks(2).run(_overlap)[0]
     assert stats["buckets"] >= 4
     assert stats["during_backward"] >= stats["buckets"] - 1, stats
     assert "no_sync" in stats.get("second_backward", ""), stats
 
 
 def _zero3_traffic(rank: int, world: int) -> dict:
-    import torch
-
-    from kernels_runtime.api import parallelize, train_step
+    from kernels_runtime import parallelize, train_step
     from kernels_runtime.calibrate.trial import build_model, next_token_loss, token_batch
-    from kernels_runtime.mesh.context import ParallelContext
 
-    ctx = ParallelContext.build(f"dp={world} zero=3")
+    ctx = context(f"dp={world} zero=3")
     model = build_model({"model_type": "gpt2", "vocab": 256, "seq": 32, "hidden": 64,
                          "layers": 2, "heads": 2, "attention": "sdpa"})
     numel = sum(p.numel() for p in model.parameters())
@@ -211,12 +210,12 @@ def _zero3_traffic(rank: int, world: int) -> dict:
     return {"stats": ctx.comm.stats.snapshot(), "numel": numel, "block_numel": block_numel}
 
 
-def test_zero3_collectives_reach_the_telemetry():
+def test_zero3_collectives_reach_the_telemetry(ranks):
     """FSDP2's all-gathers and reduce-scatters go through the instrumented collectives: per step
     every fp32 gradient is reduce-scattered once (3 units: 2 blocks + root) and every shard is
     gathered in forward, the blocks' once more in backward (the root stays gathered)."""
     world, steps = 2, 3
-    result = run_ranks(_zero3_traffic, world)[0]
+    result = ranks(world).run(_zero3_traffic)[0]
     stats, numel, blocks = result["stats"], result["numel"], result["block_numel"]
     rs, ag = stats["reduce_scatter"]["dp"], stats["all_gather"]["dp"]
     assert rs["calls"] == 3 * steps and rs["bytes"] == steps * numel * 4

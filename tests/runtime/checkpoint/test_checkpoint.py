@@ -14,11 +14,11 @@ import os
 import shutil
 from pathlib import Path
 
-import dp_models as dm
 import pytest
 import torch
 
-from helpers.distributed import run_ranks
+from helpers import models as dm
+from helpers.distributed import context, run_ranks
 
 SAVE_AT, STEPS = 10, 20
 PLAN = "dp=2 zero=2"
@@ -26,7 +26,7 @@ CRASH_POINTS = ("write", "latest")
 
 
 def _build(ctx, kind: str = "gpt2"):
-    from kernels_runtime.api import parallelize
+    from kernels_runtime import parallelize
 
     model = dm.make_model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=dm.LR, weight_decay=dm.WEIGHT_DECAY)
@@ -34,7 +34,7 @@ def _build(ctx, kind: str = "gpt2"):
 
 
 def _train(model, opt, ctx, start: int, stop: int) -> list[float]:
-    from kernels_runtime.api import train_step
+    from kernels_runtime import train_step
 
     return [train_step(model, opt, dm.local_microbatches(s, ctx.dp_rank, ctx.dp_size, 1),
                        loss_fn=dm.hf_loss).loss for s in range(start, stop)]
@@ -43,9 +43,8 @@ def _train(model, opt, ctx, start: int, stop: int) -> list[float]:
 def _two_ranks(rank: int, world: int, root: Path) -> dict:
     """Uninterrupted runs that save at step 10 (and 20), then resumes under several plans."""
     from kernels_runtime.checkpoint import load, save
-    from kernels_runtime.mesh.context import ParallelContext
 
-    base = ParallelContext.build(f"dp={world}")
+    base = context(f"dp={world}")
     out: dict = {}
     for precision in ("fp32", "bf16"):
         ctx = base.with_plan(f"{PLAN} {precision}")
@@ -96,7 +95,7 @@ class _Gated(torch.nn.Module):
 def _one_element_first(ctx, directory: Path) -> tuple[list[float], list[float]]:
     """Losses after step 3 uninterrupted and resumed. Regression: Adam moments of a one-element
     first parameter were taken for scalar state and written over every parameter's moments."""
-    from kernels_runtime.api import parallelize
+    from kernels_runtime import parallelize
     from kernels_runtime.checkpoint import load, save
 
     def run(model, opt, start: int, stop: int) -> list[float]:
@@ -161,9 +160,8 @@ def _flip_byte(path: Path) -> None:
 def _one_rank(rank: int, world: int, root: Path) -> dict:
     """Resume on dp=1, recover from the crashed saves, and every way a load or save refuses."""
     from kernels_runtime.checkpoint import load, save
-    from kernels_runtime.mesh.context import ParallelContext
 
-    ctx = ParallelContext.build("dp=1")
+    ctx = context("dp=1")
     out: dict = {}
     model, opt = _build(ctx)
     out["info"] = load(root / "fp32", model, opt, step=SAVE_AT)
@@ -206,7 +204,7 @@ def _plain_model() -> torch.nn.Module:
 
 def _plain_model_checkpoint(ctx, directory: Path) -> dict[str, torch.Tensor]:
     """A model without ``save_pretrained``: one step, saved; returns its parameters."""
-    from kernels_runtime.api import parallelize
+    from kernels_runtime import parallelize
     from kernels_runtime.checkpoint import save
 
     model = _plain_model()
@@ -224,8 +222,8 @@ def root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two(root) -> dict:
-    return run_ranks(_two_ranks, 2, root, timeout_s=300)[0]
+def two(ranks, root) -> dict:
+    return ranks(2).run(_two_ranks, root, timeout_s=300)[0]
 
 
 @pytest.fixture(scope="module")
@@ -244,8 +242,8 @@ def crashed(root, two) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one(root, two, crashed) -> dict:
-    return run_ranks(_one_rank, 1, root, timeout_s=300)[0]
+def one(ranks, root, two, crashed) -> dict:
+    return ranks(1).run(_one_rank, root, timeout_s=300)[0]
 
 
 # ---- tests --------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from helpers.jupyter import start_lab, stop_lab
 
 pytestmark = pytest.mark.engines
 CHROMIUM = Path(os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium"))
-ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts" / "browser"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "browser"
 LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                "--disable-dev-shm-usage"]
 MS = 1000

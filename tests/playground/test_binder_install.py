@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BINDER = REPO / "binder"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
