@@ -254,3 +254,35 @@ def test_asking_for_cuda_without_gpu_raises(prefer: str) -> None:
         Accelerator.detect(prefer=prefer)
     with pytest.raises(ValueError, match="gloo"):  # before any rendezvous is attempted
         init_distributed(0, 1, "127.0.0.1", find_free_port(), backend=prefer)
+
+
+def _ring_exchange(rank: int, world_size: int) -> dict:
+    """Every rank sends to the next and receives from the previous, all at once (batched), then
+    the same pairwise with separate asynchronous sends and receives."""
+    coll = Collectives(timeout_s=20.0)
+    nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
+    mine = _input(rank, world_size)
+    got = torch.empty_like(mine)
+    for op in coll.batch_p2p([("send", mine, nxt), ("recv", got, prev)]):
+        op.wait()
+    back = torch.empty_like(mine)
+    ops = [coll.irecv(back, nxt), coll.isend(got, prev)]  # return the received tensor
+    for op in ops:
+        op.wait()
+    return {"got": got, "back": back, "stats": coll.stats.snapshot()}
+
+
+def test_batched_and_asynchronous_point_to_point(ranks) -> None:
+    world = 4
+    for rank, result in enumerate(ranks(world).run(_ring_exchange)):
+        assert_close(result["got"], _input((rank - 1) % world, world))
+        assert_close(result["back"], _input(rank, world))  # went round and came back
+        nbytes = CHUNK * world * 4
+        assert result["stats"]["send"]["world"] == {**result["stats"]["send"]["world"],
+                                                    "calls": 2, "bytes": 2 * nbytes}
+        assert result["stats"]["recv"]["world"]["calls"] == 2
+
+
+def test_batch_p2p_refuses_unknown_kinds() -> None:
+    with pytest.raises(ValueError, match="'send'\\|'recv'"):
+        Collectives().batch_p2p([("broadcast", torch.ones(1), 0)])
