@@ -18,7 +18,11 @@ from typing import Any
 import torch
 
 from kernels_runtime.mesh.context import ParallelContext
-from kernels_runtime.optim.norm import any_rank_overflowed, global_grad_norm
+from kernels_runtime.optim.norm import (
+    any_rank_overflowed,
+    global_grad_norm,
+    global_grad_norm_tensor,
+)
 from kernels_runtime.optim.rebuild import rebuild_optimizer
 from kernels_runtime.optim.state import StatePiece
 from kernels_runtime.optim.sync import GradShard, GradSync
@@ -36,7 +40,7 @@ class BoostedOptimizer:
         self.scaler = DynamicLossScaler() if precision == "fp16" else NoLossScaler()
         self.inner = rebuild_optimizer(optimizer, sync.master_groups())
         self.sync_grads = True
-        self.last_grad_norm: float | None = None
+        self._last_norm: torch.Tensor | None = None  # on the device until someone reads it
         self.steps_taken = 0
         self.steps_skipped = 0
         sync.zero_grads()
@@ -82,7 +86,7 @@ class BoostedOptimizer:
                 return False
             self.scaler.update(False)
         if self.max_grad_norm is not None:
-            self.last_grad_norm = self._clip(shards, self.max_grad_norm)
+            self._last_norm = self._clip(shards, self.max_grad_norm)
         self.inner.step()
         self.sync.publish()
         self.steps_taken += 1
@@ -92,16 +96,22 @@ class BoostedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.sync.zero_grads()
 
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last clipped step (read back from the device only
+        when asked: ``train_step`` reads it after the step's one synchronization)."""
+        return None if self._last_norm is None else float(self._last_norm.item())
+
     def global_grad_norm(self, shards: list[GradShard]) -> float:
         """L2 norm of the full gradient across every shard and replica axis."""
         return global_grad_norm(shards, self.ctx)
 
-    def _clip(self, shards: list[GradShard], max_norm: float) -> float:
-        norm = self.global_grad_norm(shards)
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for s in shards:
-                s.tensor.mul_(coef)
+    def _clip(self, shards: list[GradShard], max_norm: float) -> torch.Tensor:
+        """Scale gradients by min(1, max_norm / (norm + 1e-6)) on the device: no host sync."""
+        norm = global_grad_norm_tensor(shards, self.ctx)
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for s in shards:
+            s.tensor.mul_(coef)
         return norm
 
     def memory_breakdown(self) -> dict[str, int]:

@@ -15,8 +15,6 @@ them skip the step, or replicas would diverge.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
@@ -34,8 +32,9 @@ def _reduction_axes(ctx: ParallelContext, group: dist.ProcessGroup | None,
     return live
 
 
-def global_grad_norm(shards: list[GradShard], ctx: ParallelContext) -> float:
-    """L2 norm of the whole model's gradient (see the module docstring)."""
+def global_grad_norm_tensor(shards: list[GradShard], ctx: ParallelContext) -> torch.Tensor:
+    """The global norm as a 0-dim fp32 tensor on the rank's device: no host synchronization,
+    so clipping can scale gradients by it while the device is still computing it."""
     live = {a for s in shards for a in s.sharded if ctx.size(a) > 1}
     group = ctx.span_group(live)
     over = _reduction_axes(ctx, group, live)
@@ -45,7 +44,12 @@ def global_grad_norm(shards: list[GradShard], ctx: ParallelContext) -> float:
             sq += s.tensor.float().pow(2).sum()
     if group is not None:
         ctx.comm.all_reduce(sq, group=group)
-    return math.sqrt(sq.item())
+    return sq.sqrt()
+
+
+def global_grad_norm(shards: list[GradShard], ctx: ParallelContext) -> float:
+    """L2 norm of the whole model's gradient (see the module docstring)."""
+    return float(global_grad_norm_tensor(shards, ctx).item())
 
 
 def any_rank_overflowed(found: torch.Tensor, ctx: ParallelContext) -> bool:

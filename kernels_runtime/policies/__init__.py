@@ -17,16 +17,40 @@ from torch import nn
 from kernels_runtime.policies.base import CONFIG_KEYS, ModelConfig, Policy
 from kernels_runtime.policies.generic import GenericPolicy
 from kernels_runtime.policies.hf import HF_POLICIES, HFPolicy
+from kernels_runtime.policies.resolve import (
+    ResolvedLayout,
+    find_module,
+    resolve,
+    tied_parameters,
+)
+from kernels_runtime.policies.specs import (
+    AttentionSpec,
+    ModelLayout,
+    ParamSpec,
+    PipelineSpec,
+    PositionSpec,
+    Rule,
+)
 
 __all__ = [
     "CONFIG_KEYS",
+    "AttentionSpec",
     "GenericPolicy",
     "HFPolicy",
     "ModelConfig",
+    "ModelLayout",
+    "ParamSpec",
+    "PipelineSpec",
     "Policy",
+    "PositionSpec",
+    "ResolvedLayout",
+    "Rule",
     "available_policies",
+    "find_module",
     "get_policy",
     "register_policy",
+    "resolve",
+    "tied_parameters",
 ]
 
 _GENERIC = GenericPolicy()

@@ -2,16 +2,16 @@
 
 Parallelizing a model means answering model-specific questions: which modules are the repeated
 transformer blocks (the unit of activation checkpointing and of pipeline splits), how many heads
-and layers it has (what ``Plan.validate`` checks tp and pp against), and later which ``Linear`` is
-column- or row-parallel and where sequence-parallel regions start. A policy answers them for one
-family, so the strategies stay model-agnostic and the user never rewrites the model. This is the
-role of a per-model ``parallelize.py`` plan in torchtitan and of a policy in ColossalAI's
-shardformer.
+and layers it has (what ``Plan.validate`` checks tp and pp against), which ``Linear`` is column-
+or row-parallel (a fused QKV and its head layout, GPT-2's transposed ``Conv1D``), which parameters
+are tied, where attention lives and how positions are encoded, and which glue runs before and
+after the blocks of a pipeline. A policy answers them for one family, as data (a ``ModelLayout``
+of ``specs.py``), so the strategies stay model-agnostic and the user never rewrites the model.
+This is the role of a per-model ``parallelize.py`` plan in torchtitan and of a policy in
+ColossalAI's shardformer.
 
 Policies are frozen dataclasses: a policy is a description, not state, so one instance serves every
-model of its family. Later issues add fields and methods here (tensor-parallel layout, pipeline
-split points, sequence-parallel regions); every policy inherits a neutral default so the generic
-policy keeps working without them.
+model of its family.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from torch import nn
+
+from kernels_runtime.policies.resolve import ResolvedLayout, resolve
+from kernels_runtime.policies.specs import ModelLayout
 
 # The shape facts every policy reports, under the names ``Plan.validate`` reads. ``None`` means
 # the policy does not know the value (or the model has no such thing, e.g. a ViT vocabulary).
@@ -57,6 +60,27 @@ class Policy(ABC):
     def model_config(self, model: nn.Module) -> ModelConfig:
         """Shape facts of ``model`` under the names in ``CONFIG_KEYS`` (``None`` where unknown)."""
         return dict.fromkeys(CONFIG_KEYS)
+
+    def model_layout(self, model: nn.Module) -> ModelLayout | None:
+        """The family's plan as data (``specs.ModelLayout``); None when the policy has none."""
+        return None
+
+    def resolve(self, model: nn.Module) -> ResolvedLayout:
+        """A ``ParamSpec`` for every parameter of ``model`` under this policy's layout (with
+        what does not fit reported rather than guessed)."""
+        layout = self.model_layout(model)
+        if layout is None:
+            out = ResolvedLayout()
+            out.uncovered = [n for n, _ in model.named_parameters()]
+            return out
+        return resolve(model, layout)
+
+    def attention_heads(self, model: nn.Module) -> tuple[int | None, int | None]:
+        """(query heads, key/value heads) of the model's attention; None where unknown."""
+        config = self.model_config(model)
+        heads = config.get("num_attention_heads")
+        kv = config.get("num_key_value_heads")
+        return heads, kv if kv is not None else heads
 
     def describe(self) -> str:
         """One line for logs and the notebook: the policy's name and what it covers."""

@@ -19,6 +19,11 @@ from dataclasses import dataclass
 from torch import nn
 
 from kernels_runtime.policies.base import CONFIG_KEYS, ModelConfig, Policy
+from kernels_runtime.policies.bert import BERT_LAYOUT
+from kernels_runtime.policies.gpt2 import GPT2_LAYOUT
+from kernels_runtime.policies.llama import LLAMA_LAYOUT
+from kernels_runtime.policies.specs import ModelLayout
+from kernels_runtime.policies.vit import VIT_LAYOUT
 
 
 def is_transformers_model(model: nn.Module) -> bool:
@@ -43,11 +48,15 @@ class HFPolicy(Policy):
     """One transformers family: the ``model_type`` values it covers and where its blocks live.
 
     ``block_paths`` are attribute paths relative to ``model.base_model``, tried in order; the first
-    that names an ``nn.ModuleList`` wins.
+    that names an ``nn.ModuleList`` wins. ``layout`` is the family's plan as data.
     """
 
     model_types: tuple[str, ...] = ()
     block_paths: tuple[str, ...] = ()
+    layout: ModelLayout | None = None
+
+    def model_layout(self, model: nn.Module) -> ModelLayout | None:
+        return self.layout
 
     def matches(self, model: nn.Module) -> bool:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -90,13 +99,15 @@ GPT2_POLICY = HFPolicy(
     summary="HF GPT-2 (GPT2Model, GPT2LMHeadModel, ...); blocks at transformer.h",
     model_types=("gpt2",),
     block_paths=("h",),
+    layout=GPT2_LAYOUT,
 )
 
 LLAMA_POLICY = HFPolicy(
     name="llama",
-    summary="HF LLaMA (LlamaModel, LlamaForCausalLM, ...); blocks at model.layers",
-    model_types=("llama",),
+    summary="HF LLaMA, Mistral, Qwen2, Qwen3 (*Model, *ForCausalLM); blocks at model.layers",
+    model_types=("llama", "mistral", "qwen2", "qwen3"),
     block_paths=("layers",),
+    layout=LLAMA_LAYOUT,
 )
 
 BERT_POLICY = HFPolicy(
@@ -104,6 +115,7 @@ BERT_POLICY = HFPolicy(
     summary="HF BERT (BertModel, BertFor*); blocks at encoder.layer",
     model_types=("bert",),
     block_paths=("encoder.layer",),
+    layout=BERT_LAYOUT,
 )
 
 VIT_POLICY = HFPolicy(
@@ -111,6 +123,7 @@ VIT_POLICY = HFPolicy(
     summary="HF ViT (ViTModel, ViTForImageClassification); blocks at layers or encoder.layer",
     model_types=("vit",),
     block_paths=("layers", "encoder.layer"),
+    layout=VIT_LAYOUT,
 )
 
 HF_POLICIES = (GPT2_POLICY, LLAMA_POLICY, BERT_POLICY, VIT_POLICY)

@@ -1,0 +1,96 @@
+"""A family's ``ModelLayout`` applied to one model: a ``ParamSpec`` for every parameter.
+
+Rules name modules; what tensor parallelism needs is a decision per parameter, made exactly
+once. ``resolve`` walks the layout's outer rules and, in every block, its block rules, and
+attaches each rule to the parameters its module holds directly. A parameter no rule names, or
+two rules name differently, is reported (``uncovered``, ``conflicts``), so a policy that does
+not fit a model says so instead of leaving a weight whole by accident. Tied parameters (an LM
+head sharing the embedding's weight) appear once, under the name ``named_parameters`` gives
+them, with their aliases in ``tied``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from kernels_runtime.policies.specs import ModelLayout, ParamSpec, Paths, Rule
+
+
+@dataclass
+class ResolvedLayout:
+    specs: dict[str, ParamSpec] = field(default_factory=dict)  # canonical parameter name ->
+    uncovered: list[str] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)
+    missing_modules: list[str] = field(default_factory=list)
+    tied: list[tuple[str, str]] = field(default_factory=list)  # (alias, canonical name)
+
+    @property
+    def complete(self) -> bool:
+        return not (self.uncovered or self.conflicts or self.missing_modules)
+
+    def problems(self) -> str:
+        parts = []
+        if self.uncovered:
+            parts.append(f"no rule for {', '.join(self.uncovered)}")
+        if self.conflicts:
+            parts.append("conflicting rules: " + "; ".join(self.conflicts))
+        if self.missing_modules:
+            parts.append(f"no module at {', '.join(self.missing_modules)}")
+        return " | ".join(parts)
+
+
+def find_module(root: nn.Module, paths: Paths) -> tuple[str, nn.Module] | None:
+    """The first of ``paths`` that names a submodule of ``root`` ("" is root itself)."""
+    for path in paths:
+        if path == "":
+            return path, root
+        try:
+            return path, root.get_submodule(path)
+        except AttributeError:
+            continue
+    return None
+
+
+def tied_parameters(model: nn.Module) -> list[tuple[str, str]]:
+    """(alias, canonical name) of every parameter reachable under two names."""
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    return [(n, canonical[id(p)]) for n, p in model.named_parameters(remove_duplicate=False)
+            if canonical[id(p)] != n]
+
+
+def resolve(model: nn.Module, layout: ModelLayout) -> ResolvedLayout:
+    out = ResolvedLayout(tied=tied_parameters(model))
+    canonical = {id(p): n for n, p in model.named_parameters()}
+
+    def attach(prefix: str, root: nn.Module, rule: Rule, block: int | None) -> None:
+        found = find_module(root, rule.paths)
+        if found is None:
+            if not rule.optional:
+                out.missing_modules.append(f"{prefix}{'|'.join(rule.paths)}")
+            return
+        path, module = found
+        where = f"{prefix}{path}".rstrip(".")
+        for attribute, p in module.named_parameters(recurse=False):
+            name = canonical[id(p)]
+            spec = ParamSpec(where, attribute, rule.style, rule.transposed, rule.fused, block)
+            previous = out.specs.get(name)
+            if previous is None:
+                out.specs[name] = spec
+            elif (previous.style, previous.fused) != (spec.style, spec.fused):
+                out.conflicts.append(f"{name}: {previous.style} at {previous.module}, "
+                                     f"{spec.style} at {where}")
+
+    for rule in layout.outer_rules:
+        attach("", model, rule, None)
+    blocks = find_module(model, layout.blocks)
+    if blocks is None:
+        out.missing_modules.append("|".join(layout.blocks))
+    else:
+        path, container = blocks
+        for i, block in enumerate(container):
+            for rule in layout.block_rules:
+                attach(f"{path}.{i}." if path else f"{i}.", block, rule, i)
+    out.uncovered = [n for n in canonical.values() if n not in out.specs]
+    return out
