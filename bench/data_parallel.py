@@ -73,8 +73,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
-    from kernels_runtime.api import parallelize
-    from kernels_runtime.mesh.context import ParallelContext
+    from kernels_runtime import ParallelContext, parallelize
 
     base = ParallelContext.build(f"dp={world}")
     results: dict = {"time": {}, "memory": {}, "numel": None}

@@ -53,11 +53,9 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
 
-    from kernels_runtime.api import parallelize, train_step
+    from kernels_runtime import ParallelContext, get_policy, parallelize, train_step
     from kernels_runtime.calibrate import measure
     from kernels_runtime.calibrate.trial import measure_memory
-    from kernels_runtime.mesh.context import ParallelContext
-    from kernels_runtime.policies import get_policy
     from workbench.planner import predict, recommend
     from workbench.planner.calibration import measure_kwargs
     from workbench.planner.cost_model import plan_label

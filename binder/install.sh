@@ -2,8 +2,8 @@
 # Install colossal-workbench, with its JupyterLab extension, into the active Python environment.
 #
 # The one install path of the hosted playground: binder/postBuild (repo2docker) and the
-# Dockerfile both run it, and tests/test_binder_install.py runs it in a fresh virtualenv, so the
-# steps the test checks are the steps the images take. binder/requirements.txt (CPU PyTorch,
+# Dockerfile both run it, and tests/playground/test_binder_install.py runs it in a fresh
+# virtualenv, so the steps the test checks are the steps the images take. binder/requirements.txt (CPU PyTorch,
 # transformers) is installed before it, as repo2docker does.
 #
 # Usage: binder/install.sh [REPO_DIR]      (default: the repository holding this script)

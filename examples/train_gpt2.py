@@ -19,11 +19,8 @@ import time
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from kernels_runtime import checkpoint
-from kernels_runtime.api import parallelize, train_step
+from kernels_runtime import RankSession, load, parallelize, save, train_step
 from kernels_runtime.data import TokenBatches, stdlib_corpus
-from kernels_runtime.mesh.context import ParallelContext
-from kernels_runtime.session import RankSession
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,7 +44,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
     session = RankSession.from_env()
-    ctx = ParallelContext.build(args.plan, session.comm)
+    ctx = session.context(args.plan)  # = ParallelContext.build(args.plan, session.comm)
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=256, n_positions=args.seq, n_embd=args.hidden,
                         n_layer=args.layers, n_head=4, bos_token_id=0, eos_token_id=0)
@@ -58,7 +55,7 @@ def main() -> None:
                         ctx.dp_rank, ctx.dp_size, seed=0)
     start = 0
     if args.resume:
-        start = checkpoint.load(args.resume, model, opt)["step"]
+        start = load(args.resume, model, opt)["step"]
     losses, t0 = [], time.perf_counter()
     for step in range(start, args.steps):
         result = train_step(model, opt, data.microbatches(step, args.microbatches))
@@ -67,7 +64,7 @@ def main() -> None:
             print(f"step {step:5d}  loss {result.loss:.4f}", flush=True)
     seconds = time.perf_counter() - t0
     if args.save:
-        checkpoint.save(args.save, model, opt, step=args.steps)
+        save(args.save, model, opt, step=args.steps)
     tokens = (args.steps - start) * args.global_batch * args.seq
     memory = session.state.accelerator.memory_in_use()
     peak = torch.tensor([memory["host_peak"], memory["device_peak"]], dtype=torch.float64)

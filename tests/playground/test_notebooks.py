@@ -23,7 +23,7 @@ def test_quickstart_runs_and_shows_rank0_output():
     assert "rank 1 of 2" not in text
     assert "[rank 1] hello from rank 1" in text
     assert "step   0  loss" in text and "loss went from" in text  # pulled back and checked
-    assert "trained 60 more steps" in text  # the live-dashboard cell (also tests/test_browser)
+    assert "trained 60 more steps" in text  # the live-dashboard cell (also test_browser.py)
     html = [o["data"]["text/html"] for c in nb.cells for o in c.get("outputs", [])
             if o["output_type"] == "display_data" and "text/html" in o.get("data", {})]
     assert len(html) == 1 and "<td>0</td>" in html[0]  # rank 0's table only

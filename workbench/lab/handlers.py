@@ -8,11 +8,12 @@
                                                   body: {"n": ranks (start), "wait": seconds}
     GET  /workbench/static/<name>                 the page's script and plotly.js (offline)
 
-Every verb method carries ``@tornado.web.authenticated``; ``tests/test_lab_server.py`` finds
-every route registered by this module in a real server and checks that none answers without a
-token. Errors are JSON ``{"message": ...}`` with a status: unknown pool or kernel 404, bad
-action or body 400, a pool that belongs to no kernel of this server 409, the kernel refusing
-the action (e.g. "already running") 409, anything else it raised 500.
+Every verb method carries ``@tornado.web.authenticated``;
+``tests/playground/test_lab_server.py`` finds every route registered by this module in a real
+server and checks that none answers without a token. Errors are JSON ``{"message": ...}`` with a
+status: unknown pool or kernel 404, bad action or body 400, a pool that belongs to no kernel of
+this server 409, the kernel refusing the action (e.g. "already running") 409, anything else it
+raised 500.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ replicated box split among replicas covers it once; a tiling with a gap or an ov
 Then, on 4 real ranks, a state with a tensor split by rows over one axis and by columns over
 another, a tensor split over one axis and replicated over the other, and a tensor replicated
 everywhere is saved under each of three layouts and loaded into each of the three: every load
-gives back exactly the global values (9 round trips and reshards, two state keys each).
+gives back exactly the global values (9 round trips and reshards, two state keys each). An 8-rank
+layout (dp x pp x tp) adds a genuine third axis: the weight split by rows over dp and by
+columns over tp is replicated over pp; it reshards to and from the 4-rank layouts exactly.
 """
 
 from __future__ import annotations
@@ -82,9 +84,15 @@ def _whole(name):
     return (0,) * len(SHAPES[name]), SHAPES[name]
 
 
-def _layout(name: str, layout: int, dp: int, tp: int, sizes: dict) -> tuple:
-    """(held box, (replica index, replicas)) of tensor ``name`` on the rank at (dp, tp)."""
+def _layout(name: str, layout: int, dp: int, tp: int, pp: int = 0) -> tuple:
+    """(held box, (replica index, replicas)) of tensor ``name`` on the rank at (dp, pp, tp)."""
     whole = _whole(name)
+    if layout == 3:  # plan dp=2 pp=2 tp=2 on 8 ranks
+        if name == "weight":  # rows over dp, columns over tp, replicated over pp
+            return _cols(_rows(whole, 2, dp), 2, tp), (pp, 2)
+        if name == "column":  # columns over pp, replicated over dp and tp
+            return _cols(whole, 2, pp), (dp * 2 + tp, 4)
+        return _rows(whole, 2, tp), (dp * 2 + pp, 4)  # rows over tp, replicated over dp, pp
     if layout == 0:  # plan dp=2 tp=2
         if name == "weight":  # rows over dp, columns over tp
             return _cols(_rows(whole, 2, dp), 2, tp), (0, 1)
@@ -103,7 +111,7 @@ def _layout(name: str, layout: int, dp: int, tp: int, sizes: dict) -> tuple:
     return _rows(whole, 4, dp * 2 + tp), (0, 1)  # split over both, nothing replicated
 
 
-PLANS = ("dp=2 tp=2", "dp=4", "dp=2 tp=2")
+PLANS = ("dp=2 tp=2", "dp=4", "dp=2 tp=2", "dp=2 pp=2 tp=2 microbatches=2")
 
 
 class _GridState:
@@ -112,7 +120,8 @@ class _GridState:
     def __init__(self, layout: int, ctx) -> None:
         self.boxes = {}
         for name in SHAPES:
-            box, replica = _layout(name, layout, ctx.coord("dp"), ctx.coord("tp"), SHAPES)
+            box, replica = _layout(name, layout, ctx.coord("dp"), ctx.coord("tp"),
+                                   ctx.coord("pp"))
             self.boxes[name] = (box, replica)
         self.values = {(n, k): torch.zeros(b[1]) for n, (b, _) in self.boxes.items()
                        for k in KEYS}
@@ -155,30 +164,49 @@ def _model(layout: int, ctx) -> nn.Module:
     return model, state
 
 
-def _reshard(rank: int, world: int, root: str) -> dict:
-    from kernels_runtime.checkpoint import load_model, save_model
+def _save(rank: int, world: int, root: str, layouts: list[int]) -> None:
+    from kernels_runtime.checkpoint import save_model
+
+    for layout in layouts:
+        model, state = _model(layout, context(PLANS[layout]))
+        state.fill_from_global()
+        save_model(f"{root}/layout{layout}", model, step=1)
+
+
+def _load(rank: int, world: int, root: str, saved: list[int], layouts: list[int]) -> dict:
+    from kernels_runtime.checkpoint import load_model
 
     out = {}
-    for saved in range(3):
-        model, state = _model(saved, context(PLANS[saved]))
-        state.fill_from_global()
-        save_model(f"{root}/layout{saved}", model, step=1)
-        for loaded in range(3):
-            model, state = _model(loaded, context(PLANS[loaded]))
-            load_model(f"{root}/layout{saved}", model)
+    for source in saved:
+        for layout in layouts:
+            model, state = _model(layout, context(PLANS[layout]))
+            load_model(f"{root}/layout{source}", model)
             wrong = []
             for (name, key), value in state.values.items():
                 (offsets, sizes), _ = state.boxes[name]
                 want = _global(name, key)[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
                 if not torch.equal(value, want):
                     wrong.append(f"{name}/{key}")
-            out[(saved, loaded)] = wrong
+            out[(source, layout)] = wrong
     return out
 
 
-def test_three_layouts_round_trip_and_reshard_exactly(ranks, tmp_path):
-    for rank, result in enumerate(ranks(4).run(_reshard, str(tmp_path))):
-        assert len(result) == 9
+def _check(results: list[dict], pairs: int) -> None:
+    for rank, result in enumerate(results):
+        assert len(result) == pairs
         for (saved, loaded), wrong in result.items():
             assert not wrong, f"rank {rank}: saved under layout {saved}, loaded under " \
                               f"{loaded}: {wrong} differ"
+
+
+def test_three_layouts_round_trip_and_reshard_exactly(ranks, tmp_path):
+    ranks(4).run(_save, str(tmp_path), [0, 1, 2])
+    _check(ranks(4).run(_load, str(tmp_path), [0, 1, 2], [0, 1, 2]), 9)
+
+
+@pytest.mark.slow
+def test_a_third_replicated_axis_reshards_to_and_from_four_ranks(ranks, tmp_path):
+    ranks(8).run(_save, str(tmp_path), [3])
+    ranks(4).run(_save, str(tmp_path), [0, 1])
+    _check(ranks(4).run(_load, str(tmp_path), [3], [0, 1, 2]), 3)
+    _check(ranks(8).run(_load, str(tmp_path), [0, 1, 3], [3]), 3)
