@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from kernels_runtime.parallel.state import ParallelState
+from kernels_runtime.parallel.state import ParallelState, not_available
 
 
 def check(state: ParallelState) -> str | None:
     pp = state.ctx.plan.pp
-    if pp > 1:
-        return (f"pipeline parallelism (pp={pp}) is not available yet; use dp and zero "
-                "(e.g. \"dp=2 zero=2\")")
-    return None
+    return not_available(f"pipeline parallelism (pp={pp})") if pp > 1 else None
 
 
 def apply(model: nn.Module, state: ParallelState) -> nn.Module:

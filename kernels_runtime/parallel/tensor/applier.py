@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from kernels_runtime.parallel.state import ParallelState
+from kernels_runtime.parallel.state import ParallelState, not_available
 
 
 def check(state: ParallelState) -> str | None:
     tp = state.ctx.plan.tp
-    if tp > 1:
-        return (f"tensor parallelism (tp={tp}) is not available yet; use dp and zero "
-                "(e.g. \"dp=2 zero=2\")")
-    return None
+    return not_available(f"tensor parallelism (tp={tp})") if tp > 1 else None
 
 
 def apply(model: nn.Module, state: ParallelState) -> nn.Module:

@@ -1,0 +1,82 @@
+"""``parallelize`` as ordered appliers, and the objectives ``train_step`` runs.
+
+What is protected: the appliers run in the documented order; a plan some applier cannot run
+is refused with every reason at once before any rank changes the model; a model is
+parallelized once (a second call says what to do); ``parallelize_model`` needs no optimizer;
+the loss computed outside the model (``next_token_loss``, what a pipeline's last stage runs)
+equals the one HF computes inside it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import models as dm
+from helpers.distributed import context
+
+
+def test_appliers_run_in_the_documented_order():
+    from kernels_runtime.api import APPLIERS
+
+    assert [name for name, _, _ in APPLIERS] == [
+        "tensor", "sequence", "activation_checkpointing", "pipeline", "data", "offload"]
+
+
+def _refusals(rank: int, world: int) -> dict:
+    from kernels_runtime import PlanError, parallelize, parallelize_model
+
+    out = {}
+    plans = {"tp": "tp=2", "pp": "pp=2 microbatches=2", "sp": "sp=2 sp_mode=ring",
+             "offload": "dp=2 offload=auto", "several": "tp=2 offload=static"}
+    for key, plan in plans.items():
+        model = dm.make_model("gpt2")
+        before = {n: (p.data_ptr(), p.dtype) for n, p in model.named_parameters()}
+        try:
+            parallelize(model, torch.optim.AdamW(model.parameters()), ctx=context(plan))
+            out[key] = ("no error", True)
+        except PlanError as err:
+            after = {n: (p.data_ptr(), p.dtype) for n, p in model.named_parameters()}
+            out[key] = (str(err), before == after and "parallel_state" not in model.__dict__)
+    model = parallelize_model(dm.make_model("gpt2"), ctx=context("dp=2 bf16"))
+    out["state"] = (model.parallel_state.applied, next(model.parameters()).dtype)
+    try:
+        parallelize(model, torch.optim.AdamW(model.parameters()), ctx=context("dp=2"))
+    except PlanError as err:
+        out["twice"] = str(err)
+    return out
+
+
+def test_refused_plans_leave_the_model_untouched(ranks):
+    out = ranks(2).run(_refusals)[0]
+    for key, words in {"tp": "tensor parallelism (tp=2)", "pp": "pipeline parallelism (pp=2)",
+                       "sp": "sequence parallelism (sp=2)", "offload": "offload=auto"}.items():
+        message, untouched = out[key]
+        assert words in message and "not available yet" in message, message
+        assert untouched, f"{key}: the model changed before the refusal"
+    message, untouched = out["several"]
+    assert "tp=2" in message and "offload=static" in message and untouched
+    assert out["state"] == (["data"], torch.bfloat16)
+    assert "already parallelized" in out["twice"] and "freshly built model" in out["twice"]
+
+
+def test_parallelize_takes_an_optimizer():
+    from kernels_runtime import parallelize
+
+    with pytest.raises(TypeError, match="parallelize_model"):
+        parallelize(torch.nn.Linear(2, 2), None)
+
+
+def test_the_loss_outside_the_model_equals_the_one_inside():
+    from kernels_runtime import causal_lm_loss
+    from kernels_runtime.api import next_token_loss
+
+    model = dm.make_model("gpt2")
+    ids = dm.global_batch(0)[0]
+    labels = ids.clone()
+    labels[:, :3] = -100  # ignored positions, e.g. a prompt
+    inside = causal_lm_loss(model, (ids, labels))
+    outside = next_token_loss(model, (ids, labels))
+    assert torch.allclose(inside, outside, rtol=1e-6, atol=1e-7), (inside, outside)
+    as_dict = next_token_loss(model, {"input_ids": ids, "labels": labels})
+    assert torch.equal(as_dict, outside)
