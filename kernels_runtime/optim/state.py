@@ -18,7 +18,6 @@ pieces it *holds* (everything it must fill on load).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -78,7 +77,3 @@ def written_part(offsets: tuple[int, ...], sizes: tuple[int, ...], index: int,
     if count == 1:
         return offsets, sizes
     return split_box(offsets, sizes, count, index)
-
-
-def numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)

@@ -20,6 +20,8 @@ pieces of a bucket are placed in the global tensors through each parameter's lay
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.autograd import Variable
@@ -253,7 +255,7 @@ class ZeroGradSync(GradSync):
                     sizes = box[1]
 
                     def view(t: torch.Tensor, at: int = at, sizes: tuple = sizes) -> torch.Tensor:
-                        return t[at:at + _numel(sizes)].view(sizes)
+                        return t[at:at + math.prod(sizes)].view(sizes)
 
                     values = {PARAM: view(master), **state_views(optimizer, master, view)}
                     out.append(StatePiece(layout.shard(name, box), values))
@@ -266,13 +268,6 @@ class ZeroGradSync(GradSync):
                    if m.untyped_storage().data_ptr() != b.flat_param.untyped_storage().data_ptr()]
         states = tensor_bytes(optimizer_state_tensors(optimizer) + masters)
         return {"params": params, "grads": grads, "optimizer": states}
-
-
-def _numel(sizes: tuple[int, ...]) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
 
 
 def cast_params(model: nn.Module, dtype: torch.dtype) -> None:
