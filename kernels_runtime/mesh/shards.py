@@ -131,32 +131,62 @@ def tiling_problem(shape: tuple[int, ...], shards: list[Shard]) -> str | None:
     return None
 
 
+def intersect_boxes(a: Box, b: Box) -> Box | None:
+    """The common part of two boxes of one tensor, or None."""
+    offsets, sizes = [], []
+    for ao, an, bo, bn in zip(a[0], a[1], b[0], b[1]):
+        lo, hi = max(ao, bo), min(ao + an, bo + bn)
+        if lo >= hi:
+            return None
+        offsets.append(lo)
+        sizes.append(hi - lo)
+    return tuple(offsets), tuple(sizes)
+
+
+Block = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # local offsets, global, sizes
+
+
 @dataclass(frozen=True)
 class ParamLayout:
-    """How one parameter is laid out over the mesh: the box of the global tensor that this
-    rank's local tensor is, and the axes along which ranks hold different boxes (or different
-    parameters: "pp"). Along every other axis the local tensor is replicated.
+    """How one parameter is laid out over the mesh: which boxes of the global tensor this
+    rank's local tensor holds, and the axes along which ranks hold different parts (or
+    different parameters: "pp"). Along every other axis the local tensor is replicated.
 
-    Tensor and pipeline parallelism set it; data parallelism adds its own sharding on top
-    (ZeRO shards the local tensor over dp), so it is the base every later strategy builds on.
+    A row- or column-parallel weight is one box; a fused QKV split by heads is three (this
+    rank's heads of q, of k and of v sit side by side locally but apart globally), so a layout
+    is a list of blocks, each mapping a box of the local tensor onto an equal box of the global
+    one. Tensor and pipeline parallelism set layouts; data parallelism shards the local tensor
+    on top (ZeRO over dp), and checkpoints place every piece through them.
     """
 
     shape: tuple[int, ...]  # global
-    offsets: tuple[int, ...]  # of the local tensor in the global one
+    blocks: tuple[Block, ...]
     sharded: frozenset[str] = frozenset()
 
     @classmethod
     def replicated(cls, local_shape: tuple[int, ...]) -> ParamLayout:
-        return cls(tuple(local_shape), (0,) * len(local_shape))
+        zero = (0,) * len(local_shape)
+        return cls(tuple(local_shape), ((zero, zero, tuple(local_shape)),))
 
-    def shard(self, name: str, box: Box | None = None, local_shape: tuple[int, ...] = ()) -> Shard:
-        """The global ``Shard`` of ``box`` (offsets, sizes within the local tensor; default:
-        the whole local tensor of ``local_shape``)."""
-        if box is None:
-            box = ((0,) * len(local_shape), tuple(local_shape))
-        offsets, sizes = box
-        return Shard(name, self.shape, tuple(o + a for o, a in zip(offsets, self.offsets)),
-                     tuple(sizes))
+    @classmethod
+    def box(cls, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],
+            sharded: frozenset[str] = frozenset()) -> ParamLayout:
+        """The local tensor is the one box ``offsets``/``sizes`` of the global ``shape``."""
+        return cls(tuple(shape), (((0,) * len(shape), tuple(offsets), tuple(sizes)),), sharded)
+
+    def shards(self, name: str, box: Box) -> list[tuple[Shard, tuple[slice, ...]]]:
+        """The global ``Shard``s of a box of the local tensor, each with the slices where it
+        lies inside that box (one per layout block it overlaps)."""
+        out = []
+        for local, global_, sizes in self.blocks:
+            common = intersect_boxes(box, (local, sizes))
+            if common is None:
+                continue
+            at, extent = common
+            where = tuple(slice(c - b, c - b + n) for c, b, n in zip(at, box[0], extent))
+            offsets = tuple(g + c - lo for g, c, lo in zip(global_, at, local))
+            out.append((Shard(name, self.shape, offsets, extent), where))
+        return out
 
     @property
     def signature(self) -> tuple:

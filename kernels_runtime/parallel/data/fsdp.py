@@ -87,14 +87,16 @@ class FsdpState:
             if 0 in part[1] and p.dim():
                 continue
             local = _local(p)
+            for shard, where in layout.shards(name, part):
 
-            def view(t: torch.Tensor, part=part, offsets=offsets) -> torch.Tensor:
-                t = _local(t)
-                return t[tuple(slice(o - base, o - base + s)
-                               for o, base, s in zip(part[0], offsets, part[1]))]
+                def view(t: torch.Tensor, part=part, offsets=offsets, where=where) -> torch.Tensor:
+                    t = _local(t)
+                    held = tuple(slice(o - base, o - base + s)
+                                 for o, base, s in zip(part[0], offsets, part[1]))
+                    return t[held][where]
 
-            values = {PARAM: view(local), **state_views(optimizer, p, view)}
-            out.append(StatePiece(layout.shard(name, part), values))
+                values = {PARAM: view(local), **state_views(optimizer, p, view)}
+                out.append(StatePiece(shard, values))
         return out
 
     def after_load(self) -> None:

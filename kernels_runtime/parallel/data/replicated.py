@@ -39,7 +39,8 @@ class ReplicatedState:
                 if box is None:
                     continue
             local = p.detach()[tuple(slice(o, o + s) for o, s in zip(*box))]
-            out.append(StatePiece(layout.shard(name, box), {PARAM: local}))
+            for shard, where in layout.shards(name, box):
+                out.append(StatePiece(shard, {PARAM: local[where]}))
         return out
 
     def after_load(self) -> None:

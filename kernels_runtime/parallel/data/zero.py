@@ -252,13 +252,14 @@ class ZeroGradSync(GradSync):
                 local_shape = tuple(b.params[i].shape)
                 for box, flat in flat_range_boxes(local_shape, lo, hi):
                     at = b.offsets[i] + flat - base
-                    sizes = box[1]
+                    for shard, where in layout.shards(name, box):
 
-                    def view(t: torch.Tensor, at: int = at, sizes: tuple = sizes) -> torch.Tensor:
-                        return t[at:at + math.prod(sizes)].view(sizes)
+                        def view(t: torch.Tensor, at: int = at, sizes: tuple = box[1],
+                                 where: tuple = where) -> torch.Tensor:
+                            return t[at:at + math.prod(sizes)].view(sizes)[where]
 
-                    values = {PARAM: view(master), **state_views(optimizer, master, view)}
-                    out.append(StatePiece(layout.shard(name, box), values))
+                        values = {PARAM: view(master), **state_views(optimizer, master, view)}
+                        out.append(StatePiece(shard, values))
         return out
 
     def memory_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:

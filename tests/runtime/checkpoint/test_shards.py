@@ -158,7 +158,7 @@ def _model(layout: int, ctx) -> nn.Module:
     model, state = nn.Module(), _GridState(layout, ctx)
     for name in state.boxes:
         model.register_parameter(name, nn.Parameter(state.values[(name, "param")]))
-    layouts = {n: ParamLayout(SHAPES[n], b[0], frozenset()) for n, (b, _) in state.boxes.items()}
+    layouts = {n: ParamLayout.box(SHAPES[n], b[0], b[1]) for n, (b, _) in state.boxes.items()}
     model.__dict__["parallel_state"] = ParallelState(ctx, GenericPolicy(), layouts=layouts,
                                                      model_state=state)
     return model, state
