@@ -1,0 +1,81 @@
+"""1D tensor-parallel layers (Megatron-LM, Shoeybi et al. 2019), shapes per rank.
+
+A transformer block's MLP is a column-parallel layer (output features split: each rank
+computes its slice, no communication) followed by a row-parallel one (input features split:
+each rank computes a partial sum, one all-reduce). Attention is the same with q, k, v column-
+parallel by heads and the output projection row-parallel. So a block costs one all-reduce of
+its output in forward (g) and one of its input gradient in backward (f), per MLP and per
+attention. Embeddings and the LM head split the vocabulary.
+
+The weights are given already cut (``sharding.py``); ``transposed`` marks GPT-2's ``Conv1D``
+storage, (in, out) instead of ``nn.Linear``'s (out, in).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels_runtime.comm import Collectives
+from kernels_runtime.comm.autograd import copy_to_group, gather_from_group, reduce_from_group
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    return x @ weight if transposed else x @ weight.t()
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[..., shard] = x W[:, shard]: input replicated, output split over tp."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Collectives,
+                 group, transposed: bool = False, gather_output: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)  # (out/tp, in), or (in, out/tp) transposed
+        self.bias = nn.Parameter(bias) if bias is not None else None  # (out/tp,)
+        self.comm, self.group = comm, group
+        self.transposed, self.gather_output = transposed, gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_group(x, self.comm, self.group)  # (b, s, in), replicated
+        y = _matmul(x, self.weight, self.transposed)  # (b, s, out/tp)
+        if self.bias is not None:
+            y = y + self.bias
+        if self.gather_output:
+            y = gather_from_group(y, self.comm, self.group, y.dim() - 1)  # (b, s, out)
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over tp of x[..., shard] W[shard, :], then the (replicated) bias once."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Collectives,
+                 group, transposed: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)  # (out, in/tp), or (in/tp, out) transposed
+        self.bias = nn.Parameter(bias) if bias is not None else None  # (out,), replicated
+        self.comm, self.group = comm, group
+        self.transposed = transposed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = _matmul(x, self.weight, self.transposed)  # (b, s, out), this rank's share
+        y = reduce_from_group(partial, self.comm, self.group)  # (b, s, out)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + held) of the vocabulary on this rank (padded rows are zeros);
+    a token outside them looks up zeros, and the sum over tp is the full embedding."""
+
+    def __init__(self, weight: torch.Tensor, start: int, held: int, comm: Collectives,
+                 group) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)  # (ceil(V/tp), h)
+        self.start, self.held = start, held
+        self.comm, self.group = comm, group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.start + self.held)  # (b, s)
+        local = torch.where(outside, torch.zeros_like(ids), ids - self.start)
+        out = nn.functional.embedding(local, self.weight)  # (b, s, h)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_group(out, self.comm, self.group)  # (b, s, h)
