@@ -34,7 +34,7 @@ from kernels_runtime.parallel.state import ATTRIBUTE, ParallelState, parallel_st
 from kernels_runtime.parallel.tensor import applier as tensor
 from kernels_runtime.policies import Policy, get_policy
 
-Check = Callable[[ParallelState], "str | None"]
+Check = Callable[[ParallelState, nn.Module], "str | None"]
 Apply = Callable[[nn.Module, ParallelState], nn.Module]
 APPLIERS: tuple[tuple[str, Check, Apply], ...] = (
     ("tensor", tensor.check, tensor.apply),
@@ -83,7 +83,7 @@ def parallelize_model(
     ctx.plan.validate(ctx.world_size, policy.model_config(model))
     state = ParallelState(ctx=ctx, policy=policy, optimizer=optimizer, bucket_mb=bucket_mb,
                           blocks=policy.blocks(model))
-    refusals = [why for _, check, _ in APPLIERS if (why := check(state)) is not None]
+    refusals = [why for _, check, _ in APPLIERS if (why := check(state, model)) is not None]
     if refusals:
         raise PlanError("; ".join(refusals))
     for _, _, apply in APPLIERS:

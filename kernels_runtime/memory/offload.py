@@ -8,7 +8,7 @@ from torch import nn
 from kernels_runtime.parallel.state import ParallelState
 
 
-def check(state: ParallelState) -> str | None:
+def check(state: ParallelState, model: nn.Module) -> str | None:
     offload = state.ctx.plan.offload
     if offload != "none":
         return (f"offload={offload} is not available yet; every state stays on the device "

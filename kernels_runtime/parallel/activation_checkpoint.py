@@ -104,7 +104,7 @@ def remove_activation_checkpointing(blocks: Iterable[nn.Module]) -> int:
     return removed
 
 
-def check(state: ParallelState) -> str | None:
+def check(state: ParallelState, model: nn.Module) -> str | None:
     """Checkpointing needs blocks to wrap: the policy must find them."""
     if state.ctx.plan.activation_checkpointing and not state.blocks:
         return (f"activation_checkpointing: the {state.policy.name} policy found no transformer "

@@ -40,6 +40,9 @@ class ParallelState:
     model_state: ModelState | None = None  # set by the data applier
     schedule: Any = None  # a pipeline schedule; None: micro-batches in sequence
     applied: list[str] = field(default_factory=list)  # appliers that changed the model
+    replaced: list[tuple[str, str]] = field(default_factory=list)  # (module, what it became)
+    # id of a parameter the user's optimizer was built over -> the model's new one (shards)
+    replaced_params: dict[int, nn.Parameter] = field(default_factory=dict)
 
     def layout(self, name: str, param: torch.Tensor) -> ParamLayout:
         """The parameter's layout; an untouched parameter is replicated everywhere."""

@@ -22,7 +22,8 @@ BERT_LAYOUT = ModelLayout(
     embedding=_both("embeddings.word_embeddings"),
     final_norm=None,  # post-norm blocks: each ends in its own LayerNorm
     head=("cls.predictions.decoder",),
-    attention=AttentionSpec(("attention.self",), kv_heads_key=None, causal=False),
+    attention=AttentionSpec(("attention.self",), kv_heads_key=None, causal=False,
+                            local_attributes=("num_attention_heads", "all_head_size")),
     positions=PositionSpec("learned", _both("embeddings.position_embeddings")),
     pipeline=PipelineSpec(before=(_both("embeddings"),),
                           after=(_both("pooler"), ("cls",), ("classifier",), ("qa_outputs",))),

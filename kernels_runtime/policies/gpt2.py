@@ -20,7 +20,8 @@ GPT2_LAYOUT = ModelLayout(
     final_norm=_LN_F,
     head=("lm_head",),
     # c_attn's output is [q | k | v], each n_embd wide, heads contiguous inside each part
-    attention=AttentionSpec(("attn",), kv_heads_key=None),
+    attention=AttentionSpec(("attn",), kv_heads_key=None,
+                            local_attributes=("split_size", "embed_dim", "num_heads")),
     positions=PositionSpec("learned", _WPE),
     pipeline=PipelineSpec(before=(_WTE, _WPE, ("transformer.drop", "drop")),
                           after=(_LN_F, ("lm_head",), ("score",), ("classifier",),

@@ -51,6 +51,9 @@ class AttentionSpec:
     heads_key: str = "num_attention_heads"
     kv_heads_key: str | None = "num_key_value_heads"  # None: as many as query heads
     causal: bool = True
+    # attributes of the attention module that hold widths or head counts of the whole layer
+    # and must hold this rank's share once its projections are split by heads
+    local_attributes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ VIT_LAYOUT = ModelLayout(
     final_norm=_NORM,
     head=("classifier",),
     attention=AttentionSpec(("attention.attention", "attention"), kv_heads_key=None,
-                            causal=False),
+                            causal=False,
+                            local_attributes=("num_attention_heads", "all_head_size")),
     positions=PositionSpec("learned", _EMBEDDINGS),  # position_embeddings, a parameter there
     pipeline=PipelineSpec(before=(_EMBEDDINGS,),
                           after=(_NORM, ("vit.pooler", "pooler"), ("classifier",))),

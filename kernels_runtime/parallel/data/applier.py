@@ -23,7 +23,7 @@ from kernels_runtime.parallel.state import ParallelState
 from kernels_runtime.precision import compute_dtype
 
 
-def check(state: ParallelState) -> str | None:
+def check(state: ParallelState, model: nn.Module) -> str | None:
     """Nothing is refused here: every zero stage runs (``Plan.validate`` checked the rest)."""
     return None
 
@@ -38,7 +38,8 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
             state.model_state = FsdpState(model, ctx, state.layouts)
         else:
             state.grad_sync = FsdpGradSync(model, state.optimizer, ctx, state.layouts,
-                                           blocks=state.blocks, precision=plan.precision)
+                                           blocks=state.blocks, precision=plan.precision,
+                                           replaced=state.replaced_params)
             state.model_state = state.grad_sync
     else:
         if state.optimizer is None:
@@ -47,7 +48,8 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
         else:
             state.grad_sync = ZeroGradSync(model, state.optimizer, ctx, state.layouts,
                                            zero_stage=plan.zero_stage, precision=plan.precision,
-                                           bucket_mb=state.bucket_mb)
+                                           bucket_mb=state.bucket_mb,
+                                           replaced=state.replaced_params)
             state.model_state = state.grad_sync
         if plan.precision != "fp32":
             model.register_forward_pre_hook(_input_caster(compute_dtype(plan.precision)),

@@ -106,9 +106,11 @@ class FsdpState:
 class FsdpGradSync(FsdpState, GradSync):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
                  layouts: dict[str, ParamLayout], *, blocks: list[nn.Module],
-                 precision: str) -> None:
-        names = {id(p): n for n, p in model.named_parameters()}
-        self._group_names = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+                 precision: str, replaced: dict[int, nn.Parameter] | None = None) -> None:
+        from kernels_runtime.parallel.data.zero import named_param_groups
+
+        self._group_names = [[n for n, _ in g]
+                             for g in named_param_groups(model, optimizer, replaced)]
         super().__init__(shard_model(model, blocks, ctx, precision), ctx, layouts)
         self.params = dict(self.model.named_parameters())  # new DTensor parameters, same names
 

@@ -45,17 +45,29 @@ from kernels_runtime.precision import compute_dtype
 
 
 def named_param_groups(
-    model: nn.Module, optimizer: torch.optim.Optimizer
+    model: nn.Module, optimizer: torch.optim.Optimizer,
+    replaced: dict[int, nn.Parameter] | None = None,
 ) -> list[list[tuple[str, nn.Parameter]]]:
-    """The optimizer's param groups as (name, parameter) lists, trainable ones only."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    groups = []
+    """The optimizer's param groups as (name, parameter) lists, trainable ones only.
+
+    ``replaced`` maps parameters an earlier applier swapped (tensor-parallel shards) from the
+    id of the one the optimizer was built over to the model's new one; tied parameters the
+    optimizer lists once stay once."""
+    replaced = replaced or {}
+    params = {id(p): (n, p) for n, p in model.named_parameters()}
+    groups, seen = [], set()
     for group in optimizer.param_groups:
-        missing = [p for p in group["params"] if id(p) not in names]
+        current = [replaced.get(id(p), p) for p in group["params"]]
+        missing = [p for p in current if id(p) not in params]
         if missing:
             raise ValueError("the optimizer holds parameters that are not in the model; build "
                              "it from model.parameters() of the model passed to parallelize")
-        groups.append([(names[id(p)], p) for p in group["params"] if p.requires_grad])
+        named = []
+        for p in current:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                named.append(params[id(p)])
+        groups.append(named)
     return groups
 
 
@@ -70,12 +82,13 @@ class ZeroGradSync(GradSync):
         zero_stage: int,
         precision: str,
         bucket_mb: float = 8.0,
+        replaced: dict[int, nn.Parameter] | None = None,
     ) -> None:
         check_elementwise(optimizer)
         self.ctx, self.stage = ctx, zero_stage
         self.dtype = compute_dtype(precision)
         self.dp, self.dp_rank = ctx.dp_size, ctx.dp_rank
-        groups = named_param_groups(model, optimizer)
+        groups = named_param_groups(model, optimizer, replaced)
         self.layouts = {n: layouts.get(n) or ParamLayout.replicated(tuple(p.shape))
                         for g in groups for n, p in g}
         model.to(ctx.device)

@@ -7,7 +7,7 @@ from torch import nn
 from kernels_runtime.parallel.state import ParallelState, not_available
 
 
-def check(state: ParallelState) -> str | None:
+def check(state: ParallelState, model: nn.Module) -> str | None:
     pp = state.ctx.plan.pp
     return not_available(f"pipeline parallelism (pp={pp})") if pp > 1 else None
 

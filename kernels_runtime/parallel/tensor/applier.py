@@ -1,16 +1,51 @@
-"""The tensor-parallel applier (first in ``parallelize``'s order)."""
+"""The tensor-parallel applier (first in ``parallelize``'s order): 1D tensor parallelism by the
+model's policy (``tensor_parallel.py``). 2D and 2.5D modes are refused until they land."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from kernels_runtime.parallel.state import ParallelState, not_available
+from kernels_runtime.parallel.tensor.tensor_parallel import apply_tensor_parallel
+from kernels_runtime.policies import find_module
+
+HOW_TO = ("write a policy for it (kernels_runtime.policies: a ModelLayout with a Rule per "
+          "module, registered with register_policy) or use tp=1")
 
 
-def check(state: ParallelState) -> str | None:
-    tp = state.ctx.plan.tp
-    return not_available(f"tensor parallelism (tp={tp})") if tp > 1 else None
+def check(state: ParallelState, model: nn.Module) -> str | None:
+    plan = state.ctx.plan
+    if plan.tp == 1:
+        return None
+    if plan.tp_mode != "1d":
+        return not_available(f"tensor parallelism in tp_mode={plan.tp_mode}")
+    policy = state.policy
+    layout = policy.model_layout(model)
+    if layout is None or layout.extra.get("unreadable"):
+        why = layout.extra["unreadable"] if layout is not None else "it has no layout"
+        return (f"tp={plan.tp}: the {policy.name} policy cannot split "
+                f"{type(model).__name__} ({why}); {HOW_TO}")
+    resolved = policy.resolve(model)
+    if not resolved.complete:
+        return f"tp={plan.tp}: the {policy.name} policy does not fit this model: " \
+               f"{resolved.problems()}; {HOW_TO}"
+    return None  # head counts against tp: Plan.validate, from the policy's model_config
 
 
 def apply(model: nn.Module, state: ParallelState) -> nn.Module:
-    return model  # tp == 1: every parameter stays whole (the default layout)
+    ctx = state.ctx
+    if ctx.size("tp") == 1:
+        return model  # every parameter stays whole (the default layout)
+    policy = state.policy
+    layout = policy.model_layout(model)
+    resolved = policy.resolve(model)
+    blocks = find_module(model, layout.blocks)
+    attention = layout.attention
+    layouts, replaced, params = apply_tensor_parallel(
+        model, ctx, resolved, attention.path if attention else (),
+        attention.local_attributes if attention else (), blocks[0] if blocks else None)
+    state.layouts.update(layouts)
+    state.replaced = replaced
+    state.replaced_params.update(params)
+    state.applied.append("tensor")
+    return model

@@ -27,8 +27,9 @@ def _refusals(rank: int, world: int) -> dict:
     from kernels_runtime import PlanError, parallelize, parallelize_model
 
     out = {}
-    plans = {"tp": "tp=2", "pp": "pp=2 microbatches=2", "sp": "sp=2 sp_mode=ring",
-             "offload": "dp=2 offload=auto", "several": "tp=2 offload=static"}
+    plans = {"tp": "tp=4 tp_mode=2d", "pp": "pp=2 dp=2 microbatches=2",
+             "sp": "sp=2 dp=2 sp_mode=ring", "offload": "dp=4 offload=auto",
+             "several": "tp=4 tp_mode=2d offload=static"}
     for key, plan in plans.items():
         model = dm.make_model("gpt2")
         before = {n: (p.data_ptr(), p.dtype) for n, p in model.named_parameters()}
@@ -38,24 +39,31 @@ def _refusals(rank: int, world: int) -> dict:
         except PlanError as err:
             after = {n: (p.data_ptr(), p.dtype) for n, p in model.named_parameters()}
             out[key] = (str(err), before == after and "parallel_state" not in model.__dict__)
-    model = parallelize_model(dm.make_model("gpt2"), ctx=context("dp=2 bf16"))
+    unreadable = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+                                       for _ in range(2)))
+    try:
+        parallelize_model(unreadable, ctx=context("tp=2 dp=2"))
+    except PlanError as err:
+        out["unreadable"] = str(err)
+    model = parallelize_model(dm.make_model("gpt2"), ctx=context("dp=4 bf16"))
     out["state"] = (model.parallel_state.applied, next(model.parameters()).dtype)
     try:
-        parallelize(model, torch.optim.AdamW(model.parameters()), ctx=context("dp=2"))
+        parallelize(model, torch.optim.AdamW(model.parameters()), ctx=context("dp=4"))
     except PlanError as err:
         out["twice"] = str(err)
     return out
 
 
 def test_refused_plans_leave_the_model_untouched(ranks):
-    out = ranks(2).run(_refusals)[0]
-    for key, words in {"tp": "tensor parallelism (tp=2)", "pp": "pipeline parallelism (pp=2)",
+    out = ranks(4).run(_refusals)[0]
+    for key, words in {"tp": "tp_mode=2d", "pp": "pipeline parallelism (pp=2)",
                        "sp": "sequence parallelism (sp=2)", "offload": "offload=auto"}.items():
         message, untouched = out[key]
         assert words in message and "not available yet" in message, message
         assert untouched, f"{key}: the model changed before the refusal"
     message, untouched = out["several"]
-    assert "tp=2" in message and "offload=static" in message and untouched
+    assert "tp_mode=2d" in message and "offload=static" in message and untouched
+    assert "cannot split Sequential" in out["unreadable"] and "write a policy" in out["unreadable"]
     assert out["state"] == (["data"], torch.bfloat16)
     assert "already parallelized" in out["twice"] and "freshly built model" in out["twice"]
 

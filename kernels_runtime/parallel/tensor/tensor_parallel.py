@@ -1,0 +1,187 @@
+"""1D tensor parallelism applied to a model by its policy's plan: modules swapped in place.
+
+The policy's ``resolve`` gives one ``ParamSpec`` per parameter (column, row, vocab,
+replicated; fused parts; ``Conv1D`` storage). Each module whose parameters are split is
+replaced, at the same attribute of the same parent, by the tensor-parallel layer holding this
+rank's shard (``layers.py``), so parameter names and ``state_dict`` keys do not change and the
+model's own forward runs unmodified. What the swap must also keep:
+
+- tied weights stay tied: a head whose weight is the embedding's reuses the embedding's new
+  local parameter;
+- attention modules learn their local widths (the policy lists the attributes, e.g. GPT-2's
+  ``split_size``): heads are split, so each rank attends over its own heads;
+- the LM head gathers its vocabulary-parallel logits, so the model's outputs keep their HF type
+  and full shape on every rank;
+- replicated activations see the same dropout masks on every tp rank: the ranks of a tp group
+  start from one random state.
+
+Each split parameter gets its ``ParamLayout`` in the model's ``ParallelState``, so data
+parallelism shards it further and checkpoints store it whole.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.mesh.shards import ParamLayout
+from kernels_runtime.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from kernels_runtime.parallel.tensor.sharding import split_dim, split_vocab, vocab_range
+from kernels_runtime.policies import ParamSpec, ResolvedLayout, find_module
+
+SPLIT = ("column", "row", "vocab")
+
+
+def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    head, _, name = path.rpartition(".")
+    return (model.get_submodule(head) if head else model), name
+
+
+def _bias(module: nn.Module) -> torch.Tensor | None:
+    bias = getattr(module, "bias", None)
+    return bias.detach() if isinstance(bias, torch.Tensor) else None
+
+
+class _Swapper:
+    def __init__(self, model: nn.Module, ctx: ParallelContext) -> None:
+        self.model, self.ctx = model, ctx
+        self.comm, self.group = ctx.comm, ctx.group("tp")
+        self.rank, self.tp = ctx.coord("tp"), ctx.size("tp")
+        self.layouts: dict[str, ParamLayout] = {}
+        self.swapped: dict[int, nn.Parameter] = {}  # id of an old parameter -> its new one
+        self.replaced: list[tuple[str, str]] = []  # (module path, what it became)
+
+    def swap(self, path: str, specs: dict[str, ParamSpec]) -> None:
+        old = self.model.get_submodule(path)
+        style = specs["weight"].style
+        if style == "vocab" and isinstance(old, nn.Embedding):
+            new, layouts = self._embedding(old)
+        elif style == "vocab" or style == "column":
+            new, layouts = self._column(old, specs["weight"])
+        else:
+            new, layouts = self._row(old, specs["weight"])
+        parent, name = _parent(self.model, path)
+        setattr(parent, name, new)
+        for attribute, layout in layouts.items():
+            self.layouts[f"{path}.{attribute}"] = layout
+        self.replaced.append((path, f"{type(old).__name__} -> {type(new).__name__} ({style})"))
+
+    def _remember(self, module: nn.Module, old: dict[str, torch.Tensor]) -> None:
+        for attribute, tensor in old.items():
+            self.swapped.setdefault(id(tensor), getattr(module, attribute))
+
+    def _embedding(self, old: nn.Embedding) -> tuple[nn.Module, dict[str, ParamLayout]]:
+        start, held, _ = vocab_range(old.num_embeddings, self.rank, self.tp)
+        weight, layout = split_vocab(old.weight.detach(), self.rank, self.tp)
+        new = VocabParallelEmbedding(weight, start, held, self.comm, self.group)
+        self._tie(new, old, "weight")
+        self._remember(new, {"weight": old.weight})
+        return new, {"weight": layout}
+
+    def _column(self, old: nn.Module, spec: ParamSpec) -> tuple[nn.Module, dict[str, ParamLayout]]:
+        weight = old.weight.detach()
+        vocab = spec.style == "vocab"
+        dim = 1 if spec.transposed else 0
+        parts = max(1, len(spec.fused))
+        if vocab:
+            local, layout = split_vocab(weight, self.rank, self.tp)
+        else:
+            local, layout = split_dim(weight, dim, self.rank, self.tp, parts)
+        bias = _bias(old)
+        layouts = {"weight": layout}
+        local_bias = None
+        if bias is not None:
+            local_bias, layouts["bias"] = (split_vocab(bias, self.rank, self.tp) if vocab else
+                                           split_dim(bias, 0, self.rank, self.tp, parts))
+        new = ColumnParallelLinear(local, local_bias, self.comm, self.group, spec.transposed,
+                                   gather_output=vocab)
+        if vocab:
+            new.vocab_size = weight.shape[0]  # the gathered logits drop the padding
+        self._tie(new, old, "weight")
+        self._remember(new, {"weight": old.weight, "bias": old.bias} if bias is not None
+                       else {"weight": old.weight})
+        return new, layouts
+
+    def _row(self, old: nn.Module, spec: ParamSpec) -> tuple[nn.Module, dict[str, ParamLayout]]:
+        weight = old.weight.detach()
+        local, layout = split_dim(weight, 0 if spec.transposed else 1, self.rank, self.tp)
+        bias = _bias(old)
+        new = RowParallelLinear(local, bias.clone() if bias is not None else None, self.comm,
+                                self.group, spec.transposed)
+        self._remember(new, {"weight": old.weight, "bias": old.bias} if bias is not None
+                       else {"weight": old.weight})
+        return new, {"weight": layout}
+
+    def _tie(self, new: nn.Module, old: nn.Module, attribute: str) -> None:
+        previous = self.swapped.get(id(getattr(old, attribute)))
+        if previous is not None:
+            setattr(new, attribute, previous)
+
+
+def _vocab_gather(module: ColumnParallelLinear) -> None:
+    """Drop the padded vocabulary columns from gathered logits (each rank pads its slice)."""
+    tp = dist.get_world_size(module.group)
+    vocab = module.vocab_size
+    per_rank = module.weight.shape[1 if module.transposed else 0]
+
+    def hook(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        if per_rank * tp == vocab:
+            return out
+        chunks = out.split(per_rank, dim=-1)  # tp x (.., V/tp padded)
+        kept = [c[..., :max(0, min(per_rank, vocab - r * per_rank))] for r, c in enumerate(chunks)]
+        return torch.cat(kept, dim=-1)  # (.., V)
+
+    module.register_forward_hook(hook)
+
+
+def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, resolved: ResolvedLayout,
+                          attention_paths: tuple[str, ...], local_attributes: tuple[str, ...],
+                          blocks_path: str | None) -> tuple[dict[str, ParamLayout], list, dict]:
+    """Swap every split module of ``model`` (collective over tp: same shards everywhere);
+    returns the new parameters' layouts, a (module, what it became) list and the map from
+    each replaced parameter's id to its new shard."""
+    by_module: dict[str, dict[str, ParamSpec]] = defaultdict(dict)
+    for spec in resolved.specs.values():
+        if spec.style in SPLIT:
+            by_module[spec.module][spec.attribute] = spec
+    for alias, canonical in resolved.tied:  # a tied head is swapped too, onto the same tensor
+        spec = resolved.specs.get(canonical)
+        module, _, attribute = alias.rpartition(".")
+        if spec is not None and spec.style in SPLIT and attribute == "weight":
+            by_module.setdefault(module, {})["weight"] = ParamSpec(
+                module, "weight", spec.style, spec.transposed, spec.fused, spec.block)
+    _same_random_state(ctx)
+    swapper = _Swapper(model, ctx)
+    order = sorted(by_module, key=lambda p: (by_module[p]["weight"].style != "vocab", p))
+    for path in order:
+        swapper.swap(path, by_module[path])
+        new = model.get_submodule(path)
+        if isinstance(new, ColumnParallelLinear) and hasattr(new, "vocab_size"):
+            _vocab_gather(new)
+    if blocks_path is not None:
+        for block in model.get_submodule(blocks_path):
+            found = find_module(block, attention_paths)
+            if found is None:
+                continue
+            for attribute in local_attributes:
+                value = getattr(found[1], attribute, None)
+                if isinstance(value, int):
+                    setattr(found[1], attribute, value // ctx.size("tp"))
+    return swapper.layouts, swapper.replaced, swapper.swapped
+
+
+def _same_random_state(ctx: ParallelContext) -> None:
+    """Seed every rank of a tp group with one seed drawn by its first rank (host and device
+    generators alike), so dropout on replicated activations agrees across the group."""
+    group = ctx.group("tp")
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(ctx.device)
+    ctx.comm.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
+    torch.manual_seed(int(seed.item()))
