@@ -5,7 +5,10 @@ embeddings) under tp=2 and tp=4 and a tiny LLaMA (4 query heads, 2 key/value hea
 give the unsplit model's logits (full HF outputs on every rank) and, assembled from every
 rank's shard through its layout, every parameter's gradient after the first backward: 1e-5
 relative L2 per parameter, 1e-8 absolute where the reference gradient is below 1e-6 (GPT-2's
-key biases). Ten steps of SGD through ``parallelize`` then give the unsplit run's losses.
+key biases). Ten steps of SGD through ``parallelize`` then give the unsplit run's losses, also
+under dp=2 x tp=2 with zero 1 and 3; a checkpoint saved under dp=2 tp=2 zero=1 stores GPT-2's
+embedding with its 50257 rows and resumes under tp=4, dp=4 zero=3, its own plan and one rank
+with the uninterrupted losses (1e-6).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 
 from helpers.distributed import context
 
-SEQ, BATCH = 8, 2
+SEQ, BATCH = 8, 4
 
 
 def _model(kind: str) -> torch.nn.Module:
@@ -123,3 +126,47 @@ def test_data_and_tensor_parallel_compose(ranks, zero):
     for losses in ranks(4).run(_dp_tp, "llama", f"dp=2 tp=2 zero={zero}", timeout_s=300):
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"]))
         assert rel < 1e-5, (zero, losses, ref["losses"])
+
+
+def _save_under(rank: int, world: int, root: str) -> list[float]:
+    from kernels_runtime import parallelize, save, train_step
+
+    ctx = context("dp=2 tp=2 zero=1")
+    model = _model("gpt2")
+    model, opt = parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), ctx=ctx)
+    losses = []
+    for step in range(6):
+        if step == 3:
+            save(root, model, opt, step=3)
+        ids = _batch("gpt2", step)[ctx.dp_rank::ctx.dp_size]  # this dp rank's rows
+        losses.append(train_step(model, opt, [(ids, ids)]).loss)
+    return losses
+
+
+def _resume_under(rank: int, world: int, root: str, plan: str) -> list[float]:
+    from kernels_runtime import load, parallelize, train_step
+
+    ctx = context(plan)
+    model = _model("gpt2")
+    model, opt = parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), ctx=ctx)
+    step = load(root, model, opt)["step"]
+    losses = []
+    for s in range(step, 6):
+        ids = _batch("gpt2", s)
+        mine = ids[ctx.dp_rank::ctx.dp_size]
+        losses.append(train_step(model, opt, [(mine, mine)]).loss)
+    return losses
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_checkpoint_resumes_under_other_plans(ranks, tmp_path):
+    import json
+
+    root = str(tmp_path / "ckpt")
+    uninterrupted = ranks(4).run(_save_under, root, timeout_s=300)[0]
+    meta = json.loads((tmp_path / "ckpt" / "step-00000003" / "meta.json").read_text())
+    assert meta["params"]["transformer.wte.weight"]["shape"] == [50257, 32]  # unpadded
+    for plan, world in (("tp=4", 4), ("dp=4 zero=3", 4), ("dp=2 tp=2 zero=1", 4), ("dp=1", 1)):
+        resumed = ranks(world).run(_resume_under, root, plan, timeout_s=300)[0]
+        rel = max(abs(a - b) / abs(b) for a, b in zip(resumed, uninterrupted[3:]))
+        assert rel < 1e-6, (plan, resumed, uninterrupted[3:])
