@@ -64,13 +64,15 @@ def parallelize_model(
     policy: Policy | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     bucket_mb: float = 8.0,
+    verbose: bool = True,
 ) -> nn.Module:
     """Return ``model`` (changed in place) split under ``plan``, without an optimizer: for
     evaluation and inference (``optimizer`` is for ``parallelize``, which passes the user's).
 
     Collective: every rank calls it with the same plan and a model of the same architecture.
     Parameters are broadcast from the first data-parallel rank so every replica starts equal.
-    The record of what was done is ``model.parallel_state``.
+    The record of what was done is ``model.parallel_state`` (``.replaced``: every module
+    swapped and what it became); with ``verbose`` the first rank prints that table.
     """
     previous = parallel_state(model)
     if previous is not None:
@@ -90,8 +92,23 @@ def parallelize_model(
         model = apply(model, state)
     state.optimizer = None  # the user's optimizer is not needed any more; do not pin it
     model.__dict__[ATTRIBUTE] = state
+    if verbose and state.replaced and ctx.rank == 0:
+        print(replaced_table(state.replaced, ctx.plan))
     model.parallel_context = ctx  # type: ignore[assignment]
     return model
+
+
+def replaced_table(replaced: list[tuple[str, str]], plan: Plan) -> str:
+    """One line per kind of swapped module, block indices folded: ``h.*.attn.c_attn  Conv1D ->
+    ColumnParallelLinear (column)  x12``."""
+    counts: dict[tuple[str, str], int] = {}
+    for path, what in replaced:
+        key = (".".join("*" if part.isdigit() else part for part in path.split(".")), what)
+        counts[key] = counts.get(key, 0) + 1
+    width = max(len(path) for path, _ in counts)
+    lines = [f"parallelize ({plan.to_string()}): {len(replaced)} modules replaced"]
+    lines += [f"  {path:<{width}}  {what}  x{n}" for (path, what), n in counts.items()]
+    return "\n".join(lines)
 
 
 def parallelize(
@@ -104,6 +121,7 @@ def parallelize(
     policy: Policy | None = None,
     max_grad_norm: float | None = None,
     bucket_mb: float = 8.0,
+    verbose: bool = True,
 ) -> tuple[nn.Module, BoostedOptimizer]:
     """Return the model (changed in place) and a ``BoostedOptimizer`` wrapping ``optimizer``.
 
@@ -115,7 +133,7 @@ def parallelize(
                         f"{type(optimizer).__name__}; for a model without one (evaluation, "
                         "inference) use parallelize_model(model, plan)")
     model = parallelize_model(model, plan, ctx=ctx, comm=comm, policy=policy,
-                              optimizer=optimizer, bucket_mb=bucket_mb)
+                              optimizer=optimizer, bucket_mb=bucket_mb, verbose=verbose)
     state = parallel_state(model)
     assert state is not None and state.grad_sync is not None
     boosted = BoostedOptimizer(optimizer, state.grad_sync, state.ctx, state.ctx.plan.precision,

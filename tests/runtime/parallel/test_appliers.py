@@ -88,3 +88,15 @@ def test_the_loss_outside_the_model_equals_the_one_inside():
     assert torch.allclose(inside, outside, rtol=1e-6, atol=1e-7), (inside, outside)
     as_dict = next_token_loss(model, {"input_ids": ids, "labels": labels})
     assert torch.equal(as_dict, outside)
+
+
+def test_the_replaced_module_table_folds_blocks():
+    from kernels_runtime import Plan
+    from kernels_runtime.api.parallelize import replaced_table
+
+    replaced = [(f"transformer.h.{i}.attn.c_attn", "Conv1D -> ColumnParallelLinear (column)")
+                for i in range(12)] + [("lm_head", "Linear -> ColumnParallelLinear (vocab)")]
+    table = replaced_table(replaced, Plan.parse("tp=2").validate(2)).splitlines()
+    assert table[0] == "parallelize (dp=1 tp=2): 13 modules replaced"
+    assert table[1].split() == ["transformer.h.*.attn.c_attn", "Conv1D", "->",
+                                "ColumnParallelLinear", "(column)", "x12"]
