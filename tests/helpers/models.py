@@ -84,11 +84,21 @@ def reference_run(kind: str, precision: str, steps: int) -> tuple[list[float], d
 
 
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded fp32 copies of every parameter (gathers FSDP2 DTensors)."""
+    """Unsharded fp32 copies of every parameter: FSDP2 DTensors gathered over dp, then
+    tensor-parallel shards placed by their layouts and summed over tp (collective)."""
     from torch.distributed.tensor import DTensor
 
+    state = getattr(model, "parallel_state", None)
     out = {}
     for n, p in model.named_parameters():
-        t = p.full_tensor() if isinstance(p, DTensor) else p
-        out[n] = t.detach().float().clone()
+        t = (p.full_tensor() if isinstance(p, DTensor) else p).detach().float()
+        layout = state.layout(n, t) if state is not None else None
+        if layout is None or "tp" not in layout.sharded:
+            out[n] = t.clone()
+            continue
+        whole = torch.zeros(layout.shape, dtype=torch.float32, device=t.device)
+        for shard, where in layout.shards(n, ((0,) * t.dim(), tuple(t.shape))):
+            whole[tuple(slice(o, o + s) for o, s in zip(shard.offsets, shard.sizes))] = t[where]
+        state.ctx.comm.all_reduce(whole, group=state.ctx.group("tp"))
+        out[n] = whole
     return out

@@ -170,3 +170,36 @@ def test_a_tensor_parallel_checkpoint_resumes_under_other_plans(ranks, tmp_path)
         resumed = ranks(world).run(_resume_under, root, plan, timeout_s=300)[0]
         rel = max(abs(a - b) / abs(b) for a, b in zip(resumed, uninterrupted[3:]))
         assert rel < 1e-6, (plan, resumed, uninterrupted[3:])
+
+
+def _mixed(rank: int, world: int, kind: str, plan: str) -> tuple[list[float], dict] | None:
+    from kernels_runtime import parallelize, train_step
+
+    from helpers import models as dm
+
+    ctx = context(plan)
+    model = dm.make_model(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=dm.LR, weight_decay=dm.WEIGHT_DECAY)
+    model, opt = parallelize(model, opt, ctx=ctx, verbose=False)
+    losses = [train_step(model, opt, dm.local_microbatches(s, ctx.dp_rank, ctx.dp_size, 1),
+                         loss_fn=dm.hf_loss).loss for s in range(20)]
+    params = dm.full_parameters(model)
+    return (losses, params) if rank == 0 else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, plan, precision", [
+    ("gpt2", "dp=2 tp=2 zero=1 bf16", "bf16"), ("llama", "dp=2 tp=2 zero=3 bf16", "bf16"),
+    ("llama", "dp=2 tp=2 zero=2", "fp32")])
+def test_tensor_parallel_training_within_the_data_parallel_bounds(ranks, kind, plan, precision):
+    """20 AdamW steps against the same single-process mixed-precision reference and bounds
+    as the data-parallel parity tests (fp32: 1e-5, bf16: 2e-2 on losses and parameters)."""
+    from helpers import models as dm
+
+    ref_losses, ref_params = dm.reference_run(kind, precision, 20)
+    losses, params = ranks(4).run(_mixed, kind, plan, timeout_s=300)[0]
+    tol = 1e-5 if precision == "fp32" else 2e-2
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) < tol
+    diff = torch.cat([(params[n] - ref_params[n]).reshape(-1) for n in ref_params])
+    ref = torch.cat([ref_params[n].reshape(-1) for n in ref_params])
+    assert (diff.norm() / ref.norm()).item() < tol
