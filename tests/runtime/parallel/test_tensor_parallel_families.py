@@ -3,7 +3,8 @@
 What is protected: under tp=2 on 2 real ranks, HF BERT (with a padding mask), HF ViT and a
 plain multi-head transformer read by the generic policy give the unsplit model's outputs and,
 assembled through the layouts, every parameter's gradient (1e-5 relative L2 per parameter,
-1e-8 absolute where the reference gradient is below 1e-6).
+1e-8 absolute where the reference gradient is below 1e-6); a LLaMA saved with
+``save_pretrained`` and loaded with ``from_pretrained`` gives the unsplit logits under tp=2.
 """
 
 from __future__ import annotations
@@ -124,3 +125,29 @@ def test_tensor_parallel_family_matches_the_unsplit_model(ranks, kind):
         else:
             rel = ((got - want).norm() / want.norm()).item()
             assert rel < 1e-5, f"{kind} {name}: relative L2 {rel:.2e}"
+
+
+def _pretrained(rank: int, world: int, folder: str) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    from kernels_runtime import parallelize_model
+
+    model = parallelize_model(AutoModelForCausalLM.from_pretrained(folder), ctx=context("tp=2"),
+                              verbose=False)
+    with torch.no_grad():
+        return model(input_ids=torch.arange(12).reshape(2, 6) % 50).logits
+
+
+def test_a_model_from_pretrained_splits_with_the_same_outputs(ranks, tmp_path):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=50, max_position_embeddings=16)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    unsplit = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama")
+    with torch.no_grad():
+        want = unsplit(input_ids=torch.arange(12).reshape(2, 6) % 50).logits
+    for logits in ranks(2).run(_pretrained, str(tmp_path / "llama")):
+        assert (logits - want).abs().max().item() <= 1e-5
