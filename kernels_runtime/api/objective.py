@@ -9,6 +9,9 @@ Two objectives for ``(input_ids, labels)`` batches or dicts of model inputs with
 
 - ``causal_lm_loss`` (``train_step``'s default) lets the model compute its loss: HF models given
   ``labels`` return an output with ``.loss``; any model may return the loss tensor itself.
+  Under tensor parallelism with a vocabulary-parallel LM head it computes the same loss from
+  each rank's slice of the logits instead (``vocab_parallel_cross_entropy``), never gathering
+  the full (b, s, V) logits.
 - ``next_token_loss`` computes it outside the model, from its logits: the labels shifted by one
   position, ``-100`` ignored, averaged over the counted tokens in fp32, as transformers does
   inside its causal LMs. This is the one a pipeline's last stage can run on its own.
@@ -22,6 +25,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from kernels_runtime.parallel.state import parallel_state
+from kernels_runtime.parallel.tensor.cross_entropy import causal_lm_loss_vocab_parallel
 
 IGNORE_INDEX = -100
 
@@ -59,6 +65,14 @@ def shifted_cross_entropy(output: Any, batch: Any) -> torch.Tensor:
 
 
 def forward_with_labels(model: nn.Module, batch: Any) -> Any:
+    state = parallel_state(model)
+    if state is not None and state.vocab_head is not None:
+        head = model.get_submodule(state.vocab_head)
+        if isinstance(batch, dict):
+            rest = {k: v for k, v in batch.items() if k not in ("input_ids", "labels")}
+            return causal_lm_loss_vocab_parallel(model, head, batch["input_ids"],
+                                                 batch["labels"], **rest)
+        return causal_lm_loss_vocab_parallel(model, head, batch[0], batch[1])
     if isinstance(batch, dict):
         return model(**batch)
     return model(input_ids=batch[0], labels=batch[1])

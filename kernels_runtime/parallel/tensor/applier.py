@@ -41,11 +41,12 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     resolved = policy.resolve(model)
     blocks = find_module(model, layout.blocks)
     attention = layout.attention
-    layouts, replaced, params = apply_tensor_parallel(
+    layouts, replaced, params, head = apply_tensor_parallel(
         model, ctx, resolved, attention.path if attention else (),
         attention.local_attributes if attention else (), blocks[0] if blocks else None)
     state.layouts.update(layouts)
     state.replaced = replaced
     state.replaced_params.update(params)
+    state.vocab_head = head
     state.applied.append("tensor")
     return model

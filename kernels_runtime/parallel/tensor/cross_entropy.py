@@ -11,10 +11,13 @@ take part; targets equal to ``ignore_index`` count neither in the loss nor in th
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from kernels_runtime.comm import Collectives
 
@@ -62,3 +65,27 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, sta
     holding vocabulary rows [start, start + held)."""
     return _VocabParallelCrossEntropy.apply(logits, target, start, held, comm, group,
                                             ignore_index)
+
+
+@contextlib.contextmanager
+def local_logits(head: nn.Module) -> Iterator[None]:
+    """Within the block, a vocabulary-parallel LM head returns this rank's logits (its slice
+    of the vocabulary, padded) instead of gathering all of them."""
+    previous, head.gather_output = head.gather_output, False
+    try:
+        yield
+    finally:
+        head.gather_output = previous
+
+
+def causal_lm_loss_vocab_parallel(model: nn.Module, head: nn.Module, input_ids: torch.Tensor,
+                                  labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
+    """Next-token loss of a causal LM whose head is vocabulary-parallel, from local logits:
+    labels shifted by one position, ``-100`` ignored, as transformers computes it."""
+    with local_logits(head):
+        output = model(input_ids=input_ids, **inputs)
+    logits = output.logits if hasattr(output, "logits") else output  # (b, s, V/tp)
+    shifted = logits[:, :-1].reshape(-1, logits.shape[-1])  # (b*(s-1), V/tp)
+    target = labels[:, 1:].reshape(-1)  # (b*(s-1),)
+    return vocab_parallel_cross_entropy(shifted, target, head.vocab_start, head.vocab_held,
+                                        head.comm, head.group)

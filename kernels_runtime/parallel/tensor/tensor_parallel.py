@@ -105,6 +105,7 @@ class _Swapper:
                                    gather_output=vocab)
         if vocab:
             new.vocab_size = weight.shape[0]  # the gathered logits drop the padding
+            new.vocab_start, new.vocab_held, _ = vocab_range(weight.shape[0], self.rank, self.tp)
         self._tie(new, old, "weight")
         self._remember(new, {"weight": old.weight, "bias": old.bias} if bias is not None
                        else {"weight": old.weight})
@@ -133,7 +134,7 @@ def _vocab_gather(module: ColumnParallelLinear) -> None:
     per_rank = module.weight.shape[1 if module.transposed else 0]
 
     def hook(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        if per_rank * tp == vocab:
+        if per_rank * tp == vocab or not mod.gather_output:
             return out
         chunks = out.split(per_rank, dim=-1)  # tp x (.., V/tp padded)
         kept = [c[..., :max(0, min(per_rank, vocab - r * per_rank))] for r, c in enumerate(chunks)]
@@ -144,10 +145,12 @@ def _vocab_gather(module: ColumnParallelLinear) -> None:
 
 def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, resolved: ResolvedLayout,
                           attention_paths: tuple[str, ...], local_attributes: tuple[str, ...],
-                          blocks_path: str | None) -> tuple[dict[str, ParamLayout], list, dict]:
+                          blocks_path: str | None) -> tuple[dict[str, ParamLayout], list, dict,
+                                                            str | None]:
     """Swap every split module of ``model`` (collective over tp: same shards everywhere);
-    returns the new parameters' layouts, a (module, what it became) list and the map from
-    each replaced parameter's id to its new shard."""
+    returns the new parameters' layouts, a (module, what it became) list, the map from each
+    replaced parameter's id to its new shard, and the path of the vocabulary-parallel LM head
+    (None without one)."""
     by_module: dict[str, dict[str, ParamSpec]] = defaultdict(dict)
     for spec in resolved.specs.values():
         if spec.style in SPLIT:
@@ -161,11 +164,13 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, resolved: Reso
     _same_random_state(ctx)
     swapper = _Swapper(model, ctx)
     order = sorted(by_module, key=lambda p: (by_module[p]["weight"].style != "vocab", p))
+    head = None
     for path in order:
         swapper.swap(path, by_module[path])
         new = model.get_submodule(path)
         if isinstance(new, ColumnParallelLinear) and hasattr(new, "vocab_size"):
             _vocab_gather(new)
+            head = path
     if blocks_path is not None:
         for block in model.get_submodule(blocks_path):
             found = find_module(block, attention_paths)
@@ -175,7 +180,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, resolved: Reso
                 value = getattr(found[1], attribute, None)
                 if isinstance(value, int):
                     setattr(found[1], attribute, value // ctx.size("tp"))
-    return swapper.layouts, swapper.replaced, swapper.swapped
+    return swapper.layouts, swapper.replaced, swapper.swapped, head
 
 
 def _same_random_state(ctx: ParallelContext) -> None:

@@ -5,7 +5,8 @@ embeddings) under tp=2 and tp=4 and a tiny LLaMA (4 query heads, 2 key/value hea
 give the unsplit model's logits (full HF outputs on every rank) and, assembled from every
 rank's shard through its layout, every parameter's gradient after the first backward: 1e-5
 relative L2 per parameter, 1e-8 absolute where the reference gradient is below 1e-6 (GPT-2's
-key biases). Ten steps of SGD through ``parallelize`` then give the unsplit run's losses, also
+key biases). Ten steps of SGD through ``parallelize`` then give the unsplit run's losses (the
+default loss runs vocabulary-parallel: the head's output stays V/tp wide), also
 under dp=2 x tp=2 with zero 1 and 3; a checkpoint saved under dp=2 tp=2 zero=1 stores GPT-2's
 embedding with its 50257 rows and resumes under tp=4, dp=4 zero=3, its own plan and one rank
 with the uninterrupted losses (1e-6).
@@ -77,10 +78,12 @@ def _split(rank: int, world: int, kind: str) -> dict:
     trained = _model(kind)
     trained, opt = parallelize(trained, torch.optim.SGD(trained.parameters(), lr=0.1),
                                ctx=context(f"tp={world}"))
+    widths = []  # the LM head's output width during train_step's default loss
+    trained.lm_head.register_forward_hook(lambda m, a, out: widths.append(out.shape[-1]))
     losses = [train_step(trained, opt, [(_batch(kind, s), _batch(kind, s))]).loss
               for s in range(10)]
     return {"logits": out.logits.detach(), "placed": placed, "losses": losses,
-            "replaced": state.replaced}
+            "replaced": state.replaced, "widths": set(widths)}
 
 
 @pytest.mark.parametrize("kind, world", [("gpt2", 2), ("gpt2", 4), ("llama", 2)])
@@ -103,6 +106,8 @@ def test_tensor_parallel_matches_the_unsplit_model(ranks, kind, world):
             rel = ((got - want).norm() / want.norm()).item()
             assert rel < 1e-5, f"{name}: relative L2 {rel:.2e}"
     assert results[0]["replaced"], "nothing was replaced"
+    vocab = ref["logits"].shape[-1]
+    assert results[0]["widths"] == {-(-vocab // world)}, "causal_lm_loss gathered the logits"
 
 
 def _dp_tp(rank: int, world: int, kind: str, plan: str) -> list[float]:
