@@ -57,6 +57,7 @@ class _Swapper:
         self.rank, self.tp = ctx.coord("tp"), ctx.size("tp")
         self.layouts: dict[str, ParamLayout] = {}
         self.swapped: dict[int, nn.Parameter] = {}  # id of an old parameter -> its new one
+        self._old: list[torch.Tensor] = []  # keeps the old ones alive: ids stay unique
         self.replaced: list[tuple[str, str]] = []  # (module path, what it became)
 
     def swap(self, path: str, specs: dict[str, ParamSpec]) -> None:
@@ -74,16 +75,29 @@ class _Swapper:
             self.layouts[f"{path}.{attribute}"] = layout
         self.replaced.append((path, f"{type(old).__name__} -> {type(new).__name__} ({style})"))
 
-    def _remember(self, module: nn.Module, old: dict[str, torch.Tensor]) -> None:
-        for attribute, tensor in old.items():
-            self.swapped.setdefault(id(tensor), getattr(module, attribute))
+    def _remember(self, new: nn.Module, old: nn.Module) -> None:
+        """Map each of ``old``'s own parameters to its replacement in ``new``."""
+        for attribute, tensor in old.named_parameters(recurse=False):
+            replacement = getattr(new, attribute, None)
+            if isinstance(replacement, nn.Parameter) and id(tensor) not in self.swapped:
+                self.swapped[id(tensor)] = replacement
+                self._old.append(tensor)
+
+    def retie(self) -> None:
+        """Point every remaining alias of a replaced parameter (a module that only shares it,
+        as BERT's prediction head shares its decoder's bias) at the replacement."""
+        for module in self.model.modules():
+            for attribute, tensor in list(module.named_parameters(recurse=False)):
+                replacement = self.swapped.get(id(tensor))
+                if replacement is not None and replacement is not tensor:
+                    setattr(module, attribute, replacement)
 
     def _embedding(self, old: nn.Embedding) -> tuple[nn.Module, dict[str, ParamLayout]]:
         start, held, _ = vocab_range(old.num_embeddings, self.rank, self.tp)
         weight, layout = split_vocab(old.weight.detach(), self.rank, self.tp)
         new = VocabParallelEmbedding(weight, start, held, self.comm, self.group)
         self._tie(new, old, "weight")
-        self._remember(new, {"weight": old.weight})
+        self._remember(new, old)
         return new, {"weight": layout}
 
     def _column(self, old: nn.Module, spec: ParamSpec) -> tuple[nn.Module, dict[str, ParamLayout]]:
@@ -107,8 +121,7 @@ class _Swapper:
             new.vocab_size = weight.shape[0]  # the gathered logits drop the padding
             new.vocab_start, new.vocab_held, _ = vocab_range(weight.shape[0], self.rank, self.tp)
         self._tie(new, old, "weight")
-        self._remember(new, {"weight": old.weight, "bias": old.bias} if bias is not None
-                       else {"weight": old.weight})
+        self._remember(new, old)
         return new, layouts
 
     def _row(self, old: nn.Module, spec: ParamSpec) -> tuple[nn.Module, dict[str, ParamLayout]]:
@@ -117,8 +130,7 @@ class _Swapper:
         bias = _bias(old)
         new = RowParallelLinear(local, bias.clone() if bias is not None else None, self.comm,
                                 self.group, spec.transposed)
-        self._remember(new, {"weight": old.weight, "bias": old.bias} if bias is not None
-                       else {"weight": old.weight})
+        self._remember(new, old)
         return new, {"weight": layout}
 
     def _tie(self, new: nn.Module, old: nn.Module, attribute: str) -> None:
@@ -163,7 +175,9 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, resolved: Reso
                 module, "weight", spec.style, spec.transposed, spec.fused, spec.block)
     _same_random_state(ctx)
     swapper = _Swapper(model, ctx)
-    order = sorted(by_module, key=lambda p: (by_module[p]["weight"].style != "vocab", p))
+    # a module only holding an alias of a split parameter (no weight) is re-pointed, not swapped
+    order = sorted((p for p in by_module if "weight" in by_module[p]),
+                   key=lambda p: (by_module[p]["weight"].style != "vocab", p))
     head = None
     for path in order:
         swapper.swap(path, by_module[path])
@@ -171,6 +185,8 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, resolved: Reso
         if isinstance(new, ColumnParallelLinear) and hasattr(new, "vocab_size"):
             _vocab_gather(new)
             head = path
+    swapper.retie()
+    _layouts_for_aliases(model, swapper.layouts)
     if blocks_path is not None:
         for block in model.get_submodule(blocks_path):
             found = find_module(block, attention_paths)
@@ -181,6 +197,15 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, resolved: Reso
                 if isinstance(value, int):
                     setattr(found[1], attribute, value // ctx.size("tp"))
     return swapper.layouts, swapper.replaced, swapper.swapped, head
+
+
+def _layouts_for_aliases(model: nn.Module, layouts: dict[str, ParamLayout]) -> None:
+    """Every name of a split tensor gets its layout (the canonical name may be an alias's)."""
+    names = list(model.named_parameters(remove_duplicate=False))
+    by_tensor = {id(p): layouts[n] for n, p in names if n in layouts}
+    for name, p in names:
+        if name not in layouts and id(p) in by_tensor:
+            layouts[name] = by_tensor[id(p)]
 
 
 def _same_random_state(ctx: ParallelContext) -> None:

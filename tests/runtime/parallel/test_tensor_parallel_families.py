@@ -1,6 +1,7 @@
 """1D tensor parallelism on BERT, ViT and a plain PyTorch model, against the unsplit model.
 
-What is protected: under tp=2 on 2 real ranks, HF BERT (with a padding mask), HF ViT and a
+What is protected: under tp=2 on 2 real ranks, HF BERT (with a padding mask; a classifier, and
+the masked LM whose tied decoder splits an odd vocabulary of 61), HF ViT and a
 plain multi-head transformer read by the generic policy give the unsplit model's outputs and,
 assembled through the layouts, every parameter's gradient (1e-5 relative L2 per parameter,
 1e-8 absolute where the reference gradient is below 1e-6); a LLaMA saved with
@@ -63,6 +64,8 @@ def _build(kind: str) -> nn.Module:
     if kind == "bert":
         return transformers.BertForSequenceClassification(
             transformers.BertConfig(**small, vocab_size=60, num_labels=3))
+    if kind == "bert-mlm":  # decoder tied to the word embedding, its bias to the head's
+        return transformers.BertForMaskedLM(transformers.BertConfig(**small, vocab_size=61))
     if kind == "vit":
         return transformers.ViTForImageClassification(
             transformers.ViTConfig(**small, image_size=16, patch_size=8, num_labels=3))
@@ -71,7 +74,7 @@ def _build(kind: str) -> nn.Module:
 
 def _output(kind: str, model: nn.Module) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
-    if kind == "bert":
+    if kind.startswith("bert"):
         ids = torch.randint(0, 60, (2, 7), generator=g)
         mask = torch.ones_like(ids)
         mask[1, 5:] = 0  # padding
@@ -108,7 +111,7 @@ def _split(rank: int, world: int, kind: str) -> dict:
     return {"out": out.detach(), "placed": placed, "replaced": state.replaced}
 
 
-@pytest.mark.parametrize("kind", ["bert", "vit", "plain"])
+@pytest.mark.parametrize("kind", ["bert", "bert-mlm", "vit", "plain"])
 def test_tensor_parallel_family_matches_the_unsplit_model(ranks, kind):
     want_out, want_grads = _reference(kind)
     results = ranks(2).run(_split, kind)
