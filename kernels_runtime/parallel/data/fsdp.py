@@ -32,6 +32,7 @@ from kernels_runtime.optim import (
 )
 from kernels_runtime.optim.state import replica_index, state_views, written_part
 from kernels_runtime.parallel.data.fsdp_comms import record_fsdp_comms
+from kernels_runtime.parallel.data.zero import named_param_groups
 from kernels_runtime.precision import compute_dtype
 
 
@@ -107,8 +108,6 @@ class FsdpGradSync(FsdpState, GradSync):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
                  layouts: dict[str, ParamLayout], *, blocks: list[nn.Module],
                  precision: str, replaced: dict[int, nn.Parameter] | None = None) -> None:
-        from kernels_runtime.parallel.data.zero import named_param_groups
-
         self._group_names = [[n for n, _ in g]
                              for g in named_param_groups(model, optimizer, replaced)]
         super().__init__(shard_model(model, blocks, ctx, precision), ctx, layouts)

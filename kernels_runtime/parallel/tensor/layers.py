@@ -45,6 +45,28 @@ class ColumnParallelLinear(nn.Module):
         return y
 
 
+class VocabParallelHead(ColumnParallelLinear):
+    """An LM head split over the vocabulary: this rank holds rows [start, start + held) of a
+    vocabulary of ``vocab`` (its slice padded to ceil(vocab/tp) rows). It gathers the logits
+    and drops every rank's padding, so outputs have the full (.., vocab) shape; with
+    ``gather_output`` off (a vocabulary-parallel loss) it returns this rank's padded slice."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Collectives,
+                 group, start: int, held: int, vocab: int, transposed: bool = False) -> None:
+        super().__init__(weight, bias, comm, group, transposed, gather_output=True)
+        self.vocab_start, self.vocab_held, self.vocab_size = start, held, vocab
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)  # (b, s, V/tp padded) or gathered (b, s, tp * V/tp padded)
+        per_rank = self.weight.shape[1 if self.transposed else 0]
+        if not self.gather_output or y.shape[-1] == self.vocab_size:
+            return y
+        chunks = y.split(per_rank, dim=-1)  # tp x (b, s, V/tp padded)
+        kept = [c[..., :max(0, min(per_rank, self.vocab_size - r * per_rank))]
+                for r, c in enumerate(chunks)]
+        return torch.cat(kept, dim=-1)  # (b, s, V)
+
+
 class RowParallelLinear(nn.Module):
     """y = sum over tp of x[..., shard] W[shard, :], then the (replicated) bias once."""
 

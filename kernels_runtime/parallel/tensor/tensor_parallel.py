@@ -33,6 +33,7 @@ from kernels_runtime.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    VocabParallelHead,
 )
 from kernels_runtime.parallel.tensor.sharding import split_dim, split_vocab, vocab_range
 from kernels_runtime.policies import ParamSpec, ResolvedLayout, find_module
@@ -115,11 +116,13 @@ class _Swapper:
         if bias is not None:
             local_bias, layouts["bias"] = (split_vocab(bias, self.rank, self.tp) if vocab else
                                            split_dim(bias, 0, self.rank, self.tp, parts))
-        new = ColumnParallelLinear(local, local_bias, self.comm, self.group, spec.transposed,
-                                   gather_output=vocab)
         if vocab:
-            new.vocab_size = weight.shape[0]  # the gathered logits drop the padding
-            new.vocab_start, new.vocab_held, _ = vocab_range(weight.shape[0], self.rank, self.tp)
+            start, held, _ = vocab_range(weight.shape[0], self.rank, self.tp)
+            new = VocabParallelHead(local, local_bias, self.comm, self.group, start, held,
+                                    weight.shape[0], spec.transposed)
+        else:
+            new = ColumnParallelLinear(local, local_bias, self.comm, self.group,
+                                       spec.transposed)
         self._tie(new, old, "weight")
         self._remember(new, old)
         return new, layouts
@@ -137,22 +140,6 @@ class _Swapper:
         previous = self.swapped.get(id(getattr(old, attribute)))
         if previous is not None:
             setattr(new, attribute, previous)
-
-
-def _vocab_gather(module: ColumnParallelLinear) -> None:
-    """Drop the padded vocabulary columns from gathered logits (each rank pads its slice)."""
-    tp = dist.get_world_size(module.group)
-    vocab = module.vocab_size
-    per_rank = module.weight.shape[1 if module.transposed else 0]
-
-    def hook(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        if per_rank * tp == vocab or not mod.gather_output:
-            return out
-        chunks = out.split(per_rank, dim=-1)  # tp x (.., V/tp padded)
-        kept = [c[..., :max(0, min(per_rank, vocab - r * per_rank))] for r, c in enumerate(chunks)]
-        return torch.cat(kept, dim=-1)  # (.., V)
-
-    module.register_forward_hook(hook)
 
 
 def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, resolved: ResolvedLayout,
@@ -181,9 +168,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, resolved: Reso
     head = None
     for path in order:
         swapper.swap(path, by_module[path])
-        new = model.get_submodule(path)
-        if isinstance(new, ColumnParallelLinear) and hasattr(new, "vocab_size"):
-            _vocab_gather(new)
+        if isinstance(model.get_submodule(path), VocabParallelHead):
             head = path
     swapper.retie()
     _layouts_for_aliases(model, swapper.layouts)
