@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 TP_MODES = ("1d", "2d", "2.5d")
-SP_MODES = ("split_gather", "all_to_all", "ring")
+SP_MODES = ("none", "split_gather", "all_to_all", "ring")
 PRECISIONS = ("fp32", "bf16", "fp16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 OFFLOADS = ("none", "auto", "static")
@@ -50,7 +50,9 @@ class Plan:
     sp: int = 1
     tp_mode: str = "1d"
     tp_depth: int = 1  # 2.5d only: number of stacked q x q grids
-    sp_mode: str = "split_gather"
+    # none: no sequence parallelism; split_gather: Megatron SP inside the tp group (sp=1);
+    # all_to_all (Ulysses) and ring (ring attention): the sequence split over the sp axis
+    sp_mode: str = "none"
     zero_stage: int = 0
     offload: str = "none"
     precision: str = "fp32"

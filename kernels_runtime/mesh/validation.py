@@ -87,14 +87,33 @@ def check_plan(plan: Plan, world_size: int, model_config: Any = None) -> Plan:
             f"pp_schedule=interleaved needs microbatches divisible by pp={plan.pp} "
             f"(got {plan.microbatches})"
         )
-    if plan.sp > 1 and plan.sp_mode == "split_gather" and plan.tp == 1:
-        raise PlanError(
-            "sp_mode=split_gather shards activations along the tensor-parallel axis; set tp>1 "
-            "or choose sp_mode=all_to_all or ring"
-        )
+    _check_sequence_mode(plan)
     if model_config is not None:
         _check_model(plan, model_config)
     return plan
+
+
+def _check_sequence_mode(plan: Plan) -> None:
+    """split_gather lives inside the tp group (sp stays 1); all_to_all and ring use sp."""
+    mode = plan.sp_mode
+    if mode == "split_gather":
+        if plan.tp == 1:
+            raise PlanError("sp_mode=split_gather shards activations along the tensor-parallel "
+                            "axis; set tp>1 (e.g. tp=2 sp_mode=split_gather), or split the "
+                            "sequence over sp with sp_mode=all_to_all or ring")
+        if plan.sp > 1:
+            raise PlanError(f"sp_mode=split_gather runs inside the tp group, so sp stays 1 (got "
+                            f"sp={plan.sp}); remove sp, or choose sp_mode=all_to_all or ring")
+        if plan.tp_mode != "1d":
+            raise PlanError(f"sp_mode=split_gather is Megatron sequence parallelism for "
+                            f"tp_mode=1d (got tp_mode={plan.tp_mode})")
+    elif mode in ("all_to_all", "ring") and plan.sp == 1:
+        raise PlanError(f"sp_mode={mode} splits the sequence over the sp axis, but sp=1; set "
+                        f"sp>1 (e.g. sp=2 sp_mode={mode}) or remove sp_mode")
+    elif mode == "none" and plan.sp > 1:
+        raise PlanError(f"sp={plan.sp} splits the sequence, so attention must see the other "
+                        "ranks' tokens: add sp_mode=all_to_all (Ulysses, heads divided by sp) "
+                        "or sp_mode=ring (ring attention, K/V passed around the sp ranks)")
 
 
 def _check_tensor_mode(plan: Plan) -> None:
@@ -123,12 +142,17 @@ def _check_model(plan: Plan, config: Any) -> None:
     if heads is not None and plan.tp > 1 and heads % plan.tp:
         raise PlanError(
             f"tp={plan.tp} does not divide the model's {heads} attention heads; "
-            f"choose tp among the divisors of {heads}"
+            f"choose tp among the divisors of {heads}: "
+            f"{', '.join(str(t) for t in range(1, heads + 1) if heads % t == 0)}"
         )
-    if kv_heads is not None and plan.tp > 1 and kv_heads % plan.tp and plan.tp_mode == "1d":
+    if (kv_heads is not None and plan.tp > 1 and plan.tp_mode == "1d" and kv_heads % plan.tp
+            and plan.tp % kv_heads):
+        valid = [t for t in range(1, (heads or kv_heads) + 1)
+                 if (heads is None or heads % t == 0) and (kv_heads % t == 0 or t % kv_heads == 0)]
         raise PlanError(
-            f"tp={plan.tp} does not divide the model's {kv_heads} key/value heads; "
-            f"choose tp among the divisors of {kv_heads}"
+            f"tp={plan.tp} neither divides the model's {kv_heads} key/value heads nor is a "
+            f"multiple of them (each rank would need parts of two key/value heads); "
+            f"choose tp among {', '.join(map(str, valid))}"
         )
     if heads is not None and plan.sp > 1 and plan.sp_mode == "all_to_all" and heads % plan.sp:
         raise PlanError(

@@ -19,14 +19,14 @@ LLAMA_LAYOUT = ModelLayout(
     embedding=_EMBED,
     final_norm=_NORM,
     head=("lm_head",),
-    attention=AttentionSpec(("self_attn",)),  # num_key_value_heads: grouped-query attention
+    attention=AttentionSpec(("self_attn",), groups_attribute="num_key_value_groups"),
     positions=PositionSpec("rope", _ROTARY),
     pipeline=PipelineSpec(before=(_EMBED, _ROTARY), after=(_NORM, ("lm_head",), ("score",))),
     block_rules=(
         Rule(("input_layernorm",), "replicated"),
         Rule(("self_attn.q_proj",), "column"),
-        Rule(("self_attn.k_proj",), "column"),
-        Rule(("self_attn.v_proj",), "column"),
+        Rule(("self_attn.k_proj",), "column", kv=True),
+        Rule(("self_attn.v_proj",), "column", kv=True),
         Rule(("self_attn.q_norm",), "replicated", optional=True),  # Qwen3: per-head norms
         Rule(("self_attn.k_norm",), "replicated", optional=True),
         Rule(("self_attn.o_proj",), "row"),

@@ -74,7 +74,8 @@ def resolve(model: nn.Module, layout: ModelLayout) -> ResolvedLayout:
         where = f"{prefix}{path}".rstrip(".")
         for attribute, p in module.named_parameters(recurse=False):
             name = canonical[id(p)]
-            spec = ParamSpec(where, attribute, rule.style, rule.transposed, rule.fused, block)
+            spec = ParamSpec(where, attribute, rule.style, rule.transposed, rule.fused, block,
+                             rule.kv)
             previous = out.specs.get(name)
             if previous is None:
                 out.specs[name] = spec

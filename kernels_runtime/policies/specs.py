@@ -34,6 +34,8 @@ class Rule:
     transposed: bool = False  # weight stored (in, out), as transformers' Conv1D
     fused: tuple[str, ...] = ()  # parts along the output features, each split by heads
     optional: bool = False  # present only in some models of the family (a pooler, a head)
+    kv: bool = False  # a key or value projection: split by key/value heads, which are
+    # replicated (each rank keeps the head its query heads share) when tp exceeds them
 
     def __post_init__(self) -> None:
         if self.style not in STYLES:
@@ -54,6 +56,9 @@ class AttentionSpec:
     # attributes of the attention module that hold widths or head counts of the whole layer
     # and must hold this rank's share once its projections are split by heads
     local_attributes: tuple[str, ...] = ()
+    # the attribute holding query heads per key/value head (grouped-query attention): it
+    # changes when tp exceeds the key/value heads and each rank keeps one of them
+    groups_attribute: str | None = None
 
 
 @dataclass(frozen=True)
@@ -99,3 +104,4 @@ class ParamSpec:
     transposed: bool = False
     fused: tuple[str, ...] = ()
     block: int | None = None  # index of the block holding it; None outside the blocks
+    kv: bool = False  # split by key/value heads (``Rule.kv``)

@@ -41,9 +41,9 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     resolved = policy.resolve(model)
     blocks = find_module(model, layout.blocks)
     attention = layout.attention
+    heads, kv_heads = policy.attention_heads(model)
     layouts, replaced, params, head = apply_tensor_parallel(
-        model, ctx, resolved, attention.path if attention else (),
-        attention.local_attributes if attention else (), blocks[0] if blocks else None)
+        model, ctx, resolved, attention, blocks[0] if blocks else None, heads, kv_heads)
     state.layouts.update(layouts)
     state.replaced = replaced
     state.replaced_params.update(params)

@@ -45,6 +45,33 @@ class ColumnParallelLinear(nn.Module):
         return y
 
 
+class ReplicatedHeadsLinear(nn.Module):
+    """A key or value projection when tp exceeds the key/value heads (grouped-query attention,
+    as vLLM replicates them for inference): every rank holds the whole weight and keeps the
+    output rows of the one head its query heads share. Ranks sharing a head each contribute
+    the gradient from their own query heads, so the weight's gradient is summed over tp
+    (``copy_to_group`` on the weight), and the whole weight stays replicated: data
+    parallelism and checkpoints treat it like a norm's."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Collectives,
+                 group, start: int, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)  # (kv * d, in), whole
+        self.bias = nn.Parameter(bias) if bias is not None else None  # (kv * d,)
+        self.comm, self.group = comm, group
+        self.start, self.width = start, width  # this rank's head: output rows [start, +width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_group(x, self.comm, self.group)  # (b, s, in), replicated
+        weight = copy_to_group(self.weight, self.comm, self.group).narrow(0, self.start,
+                                                                          self.width)
+        y = x @ weight.t()  # (b, s, d): one key/value head
+        if self.bias is not None:
+            y = y + copy_to_group(self.bias, self.comm, self.group).narrow(0, self.start,
+                                                                            self.width)
+        return y
+
+
 class VocabParallelHead(ColumnParallelLinear):
     """An LM head split over the vocabulary: this rank holds rows [start, start + held) of a
     vocabulary of ``vocab`` (its slice padded to ceil(vocab/tp) rows). It gathers the logits

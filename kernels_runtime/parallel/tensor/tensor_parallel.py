@@ -31,12 +31,14 @@ from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.shards import ParamLayout
 from kernels_runtime.parallel.tensor.layers import (
     ColumnParallelLinear,
+    ReplicatedHeadsLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelHead,
 )
 from kernels_runtime.parallel.tensor.sharding import split_dim, split_vocab, vocab_range
 from kernels_runtime.policies import ParamSpec, ResolvedLayout, find_module
+from kernels_runtime.policies.specs import AttentionSpec
 
 SPLIT = ("column", "row", "vocab")
 
@@ -52,8 +54,8 @@ def _bias(module: nn.Module) -> torch.Tensor | None:
 
 
 class _Swapper:
-    def __init__(self, model: nn.Module, ctx: ParallelContext) -> None:
-        self.model, self.ctx = model, ctx
+    def __init__(self, model: nn.Module, ctx: ParallelContext, kv_heads: int | None) -> None:
+        self.model, self.ctx, self.kv_heads = model, ctx, kv_heads
         self.comm, self.group = ctx.comm, ctx.group("tp")
         self.rank, self.tp = ctx.coord("tp"), ctx.size("tp")
         self.layouts: dict[str, ParamLayout] = {}
@@ -66,6 +68,9 @@ class _Swapper:
         style = specs["weight"].style
         if style == "vocab" and isinstance(old, nn.Embedding):
             new, layouts = self._embedding(old)
+        elif specs["weight"].kv and self.kv_heads and self.kv_heads % self.tp:
+            new, layouts = self._replicated_heads(old)
+            style = "key/value heads replicated"
         elif style == "vocab" or style == "column":
             new, layouts = self._column(old, specs["weight"])
         else:
@@ -127,6 +132,17 @@ class _Swapper:
         self._remember(new, old)
         return new, layouts
 
+    def _replicated_heads(self, old: nn.Module) -> tuple[nn.Module, dict[str, ParamLayout]]:
+        """tp is a multiple of the key/value heads: rank r keeps head r * kv // tp, whole."""
+        weight = old.weight.detach()
+        width = weight.shape[0] // self.kv_heads  # head_dim
+        start = (self.rank * self.kv_heads // self.tp) * width
+        bias = _bias(old)
+        new = ReplicatedHeadsLinear(weight.clone(), bias.clone() if bias is not None else None,
+                                    self.comm, self.group, start, width)
+        self._remember(new, old)
+        return new, {}
+
     def _row(self, old: nn.Module, spec: ParamSpec) -> tuple[nn.Module, dict[str, ParamLayout]]:
         weight = old.weight.detach()
         local, layout = split_dim(weight, 0 if spec.transposed else 1, self.rank, self.tp)
@@ -143,9 +159,9 @@ class _Swapper:
 
 
 def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, resolved: ResolvedLayout,
-                          attention_paths: tuple[str, ...], local_attributes: tuple[str, ...],
-                          blocks_path: str | None) -> tuple[dict[str, ParamLayout], list, dict,
-                                                            str | None]:
+                          attention: AttentionSpec | None, blocks_path: str | None,
+                          heads: int | None = None, kv_heads: int | None = None,
+                          ) -> tuple[dict[str, ParamLayout], list, dict, str | None]:
     """Swap every split module of ``model`` (collective over tp: same shards everywhere);
     returns the new parameters' layouts, a (module, what it became) list, the map from each
     replaced parameter's id to its new shard, and the path of the vocabulary-parallel LM head
@@ -159,9 +175,9 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, resolved: Reso
         module, _, attribute = alias.rpartition(".")
         if spec is not None and spec.style in SPLIT and attribute == "weight":
             by_module.setdefault(module, {})["weight"] = ParamSpec(
-                module, "weight", spec.style, spec.transposed, spec.fused, spec.block)
+                module, "weight", spec.style, spec.transposed, spec.fused, spec.block, spec.kv)
     _same_random_state(ctx)
-    swapper = _Swapper(model, ctx)
+    swapper = _Swapper(model, ctx, kv_heads)
     # a module only holding an alias of a split parameter (no weight) is re-pointed, not swapped
     order = sorted((p for p in by_module if "weight" in by_module[p]),
                    key=lambda p: (by_module[p]["weight"].style != "vocab", p))
@@ -172,16 +188,27 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, resolved: Reso
             head = path
     swapper.retie()
     _layouts_for_aliases(model, swapper.layouts)
-    if blocks_path is not None:
-        for block in model.get_submodule(blocks_path):
-            found = find_module(block, attention_paths)
-            if found is None:
-                continue
-            for attribute in local_attributes:
-                value = getattr(found[1], attribute, None)
-                if isinstance(value, int):
-                    setattr(found[1], attribute, value // ctx.size("tp"))
+    if blocks_path is not None and attention is not None:
+        _local_head_counts(model.get_submodule(blocks_path), attention, ctx.size("tp"), heads,
+                           kv_heads)
     return swapper.layouts, swapper.replaced, swapper.swapped, head
+
+
+def _local_head_counts(blocks: nn.Module, attention: AttentionSpec, tp: int,
+                       heads: int | None, kv_heads: int | None) -> None:
+    """Each attention module's widths and head counts become this rank's share."""
+    for block in blocks:
+        found = find_module(block, attention.path)
+        if found is None:
+            continue
+        module = found[1]
+        for attribute in attention.local_attributes:
+            value = getattr(module, attribute, None)
+            if isinstance(value, int):
+                setattr(module, attribute, value // tp)
+        if attention.groups_attribute and heads and kv_heads:
+            local_kv = max(1, kv_heads // tp)  # one replicated head when tp exceeds them
+            setattr(module, attention.groups_attribute, heads // tp // local_kv)
 
 
 def _layouts_for_aliases(model: nn.Module, layouts: dict[str, ParamLayout]) -> None:

@@ -2,7 +2,7 @@
 
 What is protected: a tiny GPT-2 with GPT-2's own vocabulary (50257, padded over tp, tied
 embeddings) under tp=2 and tp=4 and a tiny LLaMA (4 query heads, 2 key/value heads) under tp=2
-give the unsplit model's logits (full HF outputs on every rank) and, assembled from every
+(key/value heads split) and tp=4 (each rank keeps the key/value head it needs, whole) give the unsplit model's logits (full HF outputs on every rank) and, assembled from every
 rank's shard through its layout, every parameter's gradient after the first backward: 1e-5
 relative L2 per parameter, 1e-8 absolute where the reference gradient is below 1e-6 (GPT-2's
 key biases). Ten steps of SGD through ``parallelize`` then give the unsplit run's losses (the
@@ -86,7 +86,7 @@ def _split(rank: int, world: int, kind: str) -> dict:
             "replaced": state.replaced, "widths": set(widths)}
 
 
-@pytest.mark.parametrize("kind, world", [("gpt2", 2), ("gpt2", 4), ("llama", 2)])
+@pytest.mark.parametrize("kind, world", [("gpt2", 2), ("gpt2", 4), ("llama", 2), ("llama", 4)])
 def test_tensor_parallel_matches_the_unsplit_model(ranks, kind, world):
     ref = _reference(kind)
     results = ranks(world).run(_split, kind, timeout_s=300)

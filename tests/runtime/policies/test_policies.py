@@ -115,12 +115,20 @@ def test_hf_policy_blocks_and_config(cls_name, config_fn, name, where, expected)
 
 
 def test_model_config_feeds_plan_validate():
-    """The keys are the ones ``Plan.validate`` reads: LLaMA's 2 kv heads rule out tp=4."""
+    """The keys are the ones ``Plan.validate`` reads: LLaMA's 4 query heads rule out tp=8 and
+    its 2 key/value heads allow tp=2 (split) and tp=4 (replicated); with 12 query heads and 4
+    key/value heads tp=6 is refused (neither dividing them nor a multiple of them)."""
     model = build("LlamaForCausalLM", llama_config)
     config = get_policy(model).model_config(model)
     assert Plan.parse("tp=2").validate(2, config).tp == 2
-    with pytest.raises(PlanError, match="2 key/value heads"):
-        Plan.parse("tp=4").validate(4, config)
+    assert Plan.parse("tp=4").validate(4, config).tp == 4
+    with pytest.raises(PlanError, match="4 attention heads; choose tp among the divisors of 4: "
+                                        "1, 2, 4"):
+        Plan.parse("tp=8").validate(8, config)
+    odd = dict(config, num_attention_heads=12, num_key_value_heads=4)
+    with pytest.raises(PlanError, match="neither divides the model's 4 key/value heads.*"
+                                        "among 1, 2, 4, 12"):
+        Plan.parse("tp=6").validate(6, odd)
     with pytest.raises(PlanError, match="2 layers"):
         Plan.parse("pp=4 mb=4").validate(4, config)
 
