@@ -9,6 +9,12 @@ attention. Embeddings and the LM head split the vocabulary.
 
 The weights are given already cut (``sharding.py``); ``transposed`` marks GPT-2's ``Conv1D``
 storage, (in, out) instead of ``nn.Linear``'s (out, in).
+
+Under Megatron sequence parallelism (``parallel/sequence/split_gather.py`` sets it) the input
+of a column-parallel layer arrives split along the sequence and is all-gathered (``input_gather``;
+or was gathered by the enclosing attention module: ``input_gathered``), whose backward
+reduce-scatters, so the layer skips ``copy_to_group``; a row-parallel layer reduce-scatters its
+output along the sequence instead of all-reducing it (``scatter_output``).
 """
 
 from __future__ import annotations
@@ -17,7 +23,23 @@ import torch
 from torch import nn
 
 from kernels_runtime.comm import Collectives
-from kernels_runtime.comm.autograd import copy_to_group, gather_from_group, reduce_from_group
+from kernels_runtime.comm.autograd import (
+    copy_to_group,
+    gather_from_group,
+    reduce_from_group,
+    reduce_scatter_to_group,
+)
+
+SEQUENCE_DIM = 1  # hidden states are (b, s, h)
+
+
+def _enter(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The input of a column-parallel layer: replicated (1D) or gathered along the sequence."""
+    if layer.input_gather is not None:
+        return layer.input_gather(x)  # (b, s/tp, h) -> (b, s, h)
+    if layer.input_gathered:
+        return x
+    return copy_to_group(x, layer.comm, layer.group)
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -34,9 +56,10 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(bias) if bias is not None else None  # (out/tp,)
         self.comm, self.group = comm, group
         self.transposed, self.gather_output = transposed, gather_output
+        self.input_gather, self.input_gathered = None, False  # sequence parallelism
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_group(x, self.comm, self.group)  # (b, s, in), replicated
+        x = _enter(self, x)  # (b, s, in), replicated
         y = _matmul(x, self.weight, self.transposed)  # (b, s, out/tp)
         if self.bias is not None:
             y = y + self.bias
@@ -60,9 +83,10 @@ class ReplicatedHeadsLinear(nn.Module):
         self.bias = nn.Parameter(bias) if bias is not None else None  # (kv * d,)
         self.comm, self.group = comm, group
         self.start, self.width = start, width  # this rank's head: output rows [start, +width)
+        self.input_gather, self.input_gathered = None, False  # sequence parallelism
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_group(x, self.comm, self.group)  # (b, s, in), replicated
+        x = _enter(self, x)  # (b, s, in), replicated
         weight = copy_to_group(self.weight, self.comm, self.group).narrow(0, self.start,
                                                                           self.width)
         y = x @ weight.t()  # (b, s, d): one key/value head
@@ -104,11 +128,17 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(bias) if bias is not None else None  # (out,), replicated
         self.comm, self.group = comm, group
         self.transposed = transposed
+        self.scatter_output = False  # sequence parallelism: reduce-scatter along s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = _matmul(x, self.weight, self.transposed)  # (b, s, out), this rank's share
-        y = reduce_from_group(partial, self.comm, self.group)  # (b, s, out)
-        return y + self.bias if self.bias is not None else y
+        if not self.scatter_output:
+            y = reduce_from_group(partial, self.comm, self.group)  # (b, s, out)
+            return y + self.bias if self.bias is not None else y
+        y = reduce_scatter_to_group(partial, self.comm, self.group, SEQUENCE_DIM)  # (b, s/tp, out)
+        if self.bias is None:
+            return y
+        return y + copy_to_group(self.bias, self.comm, self.group)  # each rank: its tokens' grad
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -128,3 +158,36 @@ class VocabParallelEmbedding(nn.Module):
         out = nn.functional.embedding(local, self.weight)  # (b, s, h)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_group(out, self.comm, self.group)  # (b, s, h)
+
+
+class PartialGradModule(nn.Module):
+    """A replicated module whose input differs across the tp group (a norm on sequence shards,
+    a per-head norm on this rank's heads): each rank's gradient of its parameters covers only
+    its part, so they enter through ``copy_to_group`` and the sum over tp is what every rank
+    accumulates. Its parameters move onto this wrapper under the same names (checkpoints and
+    state dicts do not change), and the wrapped module runs on them with ``functional_call``."""
+
+    def __init__(self, inner: nn.Module, comm: Collectives, group) -> None:
+        super().__init__()
+        if any(True for _ in inner.children() if any(True for _ in _.parameters())):
+            raise ValueError(f"{type(inner).__name__} has submodules with parameters; wrap "
+                             "those instead")
+        self.inner = (inner,)  # a tuple: not a submodule, so names stay the same
+        self.comm, self.group = comm, group
+        for name, p in list(inner.named_parameters(recurse=False)):
+            del inner._parameters[name]
+            self.register_parameter(name, p)
+
+    def forward(self, *args, **kwargs):
+        params = {n: copy_to_group(p, self.comm, self.group)
+                  for n, p in self.named_parameters(recurse=False)}
+        return torch.func.functional_call(self.inner[0], params, args, kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("inner")
+            if inner is None:
+                raise
+            return getattr(inner[0], name)  # eps, normalized_shape, ...

@@ -31,6 +31,7 @@ from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.shards import ParamLayout
 from kernels_runtime.parallel.tensor.layers import (
     ColumnParallelLinear,
+    PartialGradModule,
     ReplicatedHeadsLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -189,19 +190,45 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, resolved: Reso
     swapper.retie()
     _layouts_for_aliases(model, swapper.layouts)
     if blocks_path is not None and attention is not None:
-        _local_head_counts(model.get_submodule(blocks_path), attention, ctx.size("tp"), heads,
-                           kv_heads)
+        for path in _local_head_counts(model.get_submodule(blocks_path), attention, ctx, heads,
+                                       kv_heads):
+            swapper.replaced.append((f"{blocks_path}.{path}", "-> PartialGradModule (this "
+                                     "rank's heads: gradient summed over tp)"))
     return swapper.layouts, swapper.replaced, swapper.swapped, head
 
 
-def _local_head_counts(blocks: nn.Module, attention: AttentionSpec, tp: int,
-                       heads: int | None, kv_heads: int | None) -> None:
-    """Each attention module's widths and head counts become this rank's share."""
-    for block in blocks:
+TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, ReplicatedHeadsLinear,
+             VocabParallelEmbedding, PartialGradModule)
+
+
+def wrap_partial_modules(root: nn.Module, comm, group) -> list[str]:
+    """Wrap every replicated module with parameters under ``root`` (not a tensor-parallel
+    layer) in a ``PartialGradModule``: its input differs across tp (this rank's heads or
+    tokens), so its gradient is summed over tp. Returns their paths under ``root``."""
+    wrapped = []
+    for path, module in list(root.named_modules()):
+        if not path or isinstance(module, TP_LAYERS) or not any(
+                True for _ in module.parameters(recurse=False)):
+            continue
+        parent, name = _parent(root, path)
+        setattr(parent, name, PartialGradModule(module, comm, group))
+        wrapped.append(path)
+    return wrapped
+
+
+def _local_head_counts(blocks: nn.Module, attention: AttentionSpec, ctx: ParallelContext,
+                       heads: int | None, kv_heads: int | None) -> list[str]:
+    """Each attention module's widths and head counts become this rank's share; replicated
+    modules inside it (Qwen3's per-head q/k norms) see only this rank's heads, so their
+    gradient is summed over tp. Returns the wrapped modules' paths."""
+    tp, wrapped = ctx.size("tp"), []
+    for i, block in enumerate(blocks):
         found = find_module(block, attention.path)
         if found is None:
             continue
         module = found[1]
+        wrapped += [f"{i}.{found[0]}.{p}" for p in
+                    wrap_partial_modules(module, ctx.comm, ctx.group("tp"))]
         for attribute in attention.local_attributes:
             value = getattr(module, attribute, None)
             if isinstance(value, int):
@@ -209,6 +236,7 @@ def _local_head_counts(blocks: nn.Module, attention: AttentionSpec, tp: int,
         if attention.groups_attribute and heads and kv_heads:
             local_kv = max(1, kv_heads // tp)  # one replicated head when tp exceeds them
             setattr(module, attention.groups_attribute, heads // tp // local_kv)
+    return wrapped
 
 
 def _layouts_for_aliases(model: nn.Module, layouts: dict[str, ParamLayout]) -> None:

@@ -2,14 +2,16 @@
 
 What is protected: a tiny GPT-2 with GPT-2's own vocabulary (50257, padded over tp, tied
 embeddings) under tp=2 and tp=4 and a tiny LLaMA (4 query heads, 2 key/value heads) under tp=2
-(key/value heads split) and tp=4 (each rank keeps the key/value head it needs, whole) give the unsplit model's logits (full HF outputs on every rank) and, assembled from every
-rank's shard through its layout, every parameter's gradient after the first backward: 1e-5
-relative L2 per parameter, 1e-8 absolute where the reference gradient is below 1e-6 (GPT-2's
-key biases). Ten steps of SGD through ``parallelize`` then give the unsplit run's losses (the
-default loss runs vocabulary-parallel: the head's output stays V/tp wide), also
-under dp=2 x tp=2 with zero 1 and 3; a checkpoint saved under dp=2 tp=2 zero=1 stores GPT-2's
-embedding with its 50257 rows and resumes under tp=4, dp=4 zero=3, its own plan and one rank
-with the uninterrupted losses (1e-6).
+(key/value heads split) and tp=4 (each rank keeps the key/value head it needs, whole), and both
+under tp=2 sp_mode=split_gather (norms on s/tp tokens, checked), give the unsplit model's
+logits (full HF outputs on every rank) and, assembled from every rank's shard through its
+layout, every parameter's gradient after the first backward: 1e-5 relative L2 per parameter,
+1e-8 absolute where the reference gradient is below 1e-6 (GPT-2's key biases). Ten steps of SGD
+through ``parallelize`` then give the unsplit run's losses (the default loss runs vocabulary-
+parallel: the head's output stays V/tp wide), also under dp=2 x tp=2 with zero 1 and 3; a
+checkpoint saved under dp=2 tp=2 zero=1 stores GPT-2's embedding with its 50257 rows and
+resumes under tp=4, dp=4 zero=3, its own plan and one rank with the uninterrupted losses
+(1e-6).
 """
 
 from __future__ import annotations
@@ -61,10 +63,15 @@ def _reference(kind: str) -> dict:
     return {"logits": out.logits.detach(), "grads": grads, "losses": losses}
 
 
-def _split(rank: int, world: int, kind: str) -> dict:
+def _split(rank: int, world: int, kind: str, plan: str) -> dict:
     from kernels_runtime import parallelize, parallelize_model, train_step
+    from kernels_runtime.parallel.tensor.layers import PartialGradModule
 
-    model = parallelize_model(_model(kind), ctx=context(f"tp={world}"))
+    model = parallelize_model(_model(kind), ctx=context(plan))
+    tokens = []  # tokens each norm inside the blocks sees: s/tp under split_gather
+    for m in model.modules():
+        if isinstance(m, PartialGradModule):
+            m.register_forward_hook(lambda m, args, out: tokens.append(args[0].shape[1]))
     ids = _batch(kind)
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
@@ -77,19 +84,22 @@ def _split(rank: int, world: int, kind: str) -> dict:
                         for s, where in layout.shards(name, box)]
     trained = _model(kind)
     trained, opt = parallelize(trained, torch.optim.SGD(trained.parameters(), lr=0.1),
-                               ctx=context(f"tp={world}"))
+                               ctx=context(plan))
     widths = []  # the LM head's output width during train_step's default loss
     trained.lm_head.register_forward_hook(lambda m, a, out: widths.append(out.shape[-1]))
     losses = [train_step(trained, opt, [(_batch(kind, s), _batch(kind, s))]).loss
               for s in range(10)]
     return {"logits": out.logits.detach(), "placed": placed, "losses": losses,
-            "replaced": state.replaced, "widths": set(widths)}
+            "replaced": state.replaced, "widths": set(widths), "norm_tokens": set(tokens)}
 
 
-@pytest.mark.parametrize("kind, world", [("gpt2", 2), ("gpt2", 4), ("llama", 2), ("llama", 4)])
-def test_tensor_parallel_matches_the_unsplit_model(ranks, kind, world):
+@pytest.mark.parametrize("kind, plan", [
+    ("gpt2", "tp=2"), ("gpt2", "tp=4"), ("llama", "tp=2"), ("llama", "tp=4"),
+    ("gpt2", "tp=2 sp_mode=split_gather"), ("llama", "tp=2 sp_mode=split_gather")])
+def test_tensor_parallel_matches_the_unsplit_model(ranks, kind, plan):
     ref = _reference(kind)
-    results = ranks(world).run(_split, kind, timeout_s=300)
+    world = int(plan.split()[0].removeprefix("tp="))
+    results = ranks(world).run(_split, kind, plan, timeout_s=300)
     for result in results:
         torch.testing.assert_close(result["logits"], ref["logits"], rtol=1e-5, atol=1e-5)
         assert max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref["losses"])) < 1e-5
@@ -106,6 +116,8 @@ def test_tensor_parallel_matches_the_unsplit_model(ranks, kind, world):
             rel = ((got - want).norm() / want.norm()).item()
             assert rel < 1e-5, f"{name}: relative L2 {rel:.2e}"
     assert results[0]["replaced"], "nothing was replaced"
+    sharded = "split_gather" in plan
+    assert results[0]["norm_tokens"] == ({SEQ // world} if sharded else set())
     vocab = ref["logits"].shape[-1]
     assert results[0]["widths"] == {-(-vocab // world)}, "causal_lm_loss gathered the logits"
 
