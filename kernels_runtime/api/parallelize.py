@@ -136,6 +136,6 @@ def parallelize(
                               optimizer=optimizer, bucket_mb=bucket_mb, verbose=verbose)
     state = parallel_state(model)
     assert state is not None and state.grad_sync is not None
-    boosted = BoostedOptimizer(optimizer, state.grad_sync, state.ctx, state.ctx.plan.precision,
-                               max_grad_norm)
+    boosted = BoostedOptimizer(optimizer, state.grad_sync, state.grad_sync.ctx,
+                               state.ctx.plan.precision, max_grad_norm)
     return model, boosted

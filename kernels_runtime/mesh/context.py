@@ -24,7 +24,7 @@ collectives' own: the two can never disagree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ class ParallelContext:
     topology: Topology | None = None
     pp_prev: int | None = None
     pp_next: int | None = None
+    sp_folded: int = 1  # > 1: a data view with the sp axis folded into dp (``fold_sp``)
 
     @classmethod
     def build(
@@ -92,6 +93,28 @@ class ParallelContext:
                              f"{self.plan.to_string()!r}; build a new ParallelContext")
         return ParallelContext(plan, self.mesh, self.comm, self.device, dict(self.coords),
                                dict(self.groups), self.topology, self.pp_prev, self.pp_next)
+
+    def fold_sp(self) -> ParallelContext:
+        """The context data parallelism sees under sequence parallelism (sp > 1): sp ranks hold
+        the same parameters and each computes a part of the gradient (its tokens'), so dp x sp
+        is one data axis: ZeRO shards over it and averages gradients over it, and the norm and
+        checkpoints count its replicas once. (Each sp rank's gradient of the sequence-split
+        part is scaled by sp where the sequence is joined, so the average is their sum.)"""
+        sp = self.size("sp")
+        if sp == 1:
+            return self
+        group = self.group("dp_sp")
+        plan = replace(self.plan, dp=self.size("dp") * sp, sp=1, sp_mode="none")
+        coords = dict(self.coords, dp=dist.get_group_rank(group, dist.get_rank()), sp=0)
+        return ParallelContext(plan, self.mesh, self.comm, self.device, coords,
+                               dict(self.groups, dp=group), self.topology, self.pp_prev,
+                               self.pp_next, sp_folded=sp)
+
+    def data_mesh(self) -> DeviceMesh:
+        """The 1D device mesh of the data axis (dp, or dp x sp flattened in a folded view)."""
+        if self.sp_folded == 1:
+            return self.mesh["dp"]
+        return self.mesh["dp", "sp"]._flatten("dp_sp")
 
     @property
     def telemetry(self) -> Telemetry:

@@ -29,7 +29,7 @@ def check(state: ParallelState, model: nn.Module) -> str | None:
 
 
 def apply(model: nn.Module, state: ParallelState) -> nn.Module:
-    ctx, plan = state.ctx, state.ctx.plan
+    ctx, plan = state.ctx.fold_sp(), state.ctx.plan  # sp ranks are data replicas here
     model.to(ctx.device)
     sync_module_states(model, ctx)
     if plan.zero_stage == 3:

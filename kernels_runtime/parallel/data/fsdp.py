@@ -45,7 +45,7 @@ def shard_model(model: nn.Module, blocks: list[nn.Module], ctx: ParallelContext,
     """Apply ``fully_shard`` to every block, then to the root, over the dp axis."""
     dtype = compute_dtype(precision)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    mesh = ctx.mesh["dp"]
+    mesh = ctx.data_mesh()
     model.to(ctx.device)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)

@@ -1,3 +1,15 @@
-"""Sequence parallelism: split-gather inside the tp group, all-to-all (Ulysses) and ring
-attention over the sp axis. The seam is in place (``applier.py``, the dp x sp gradient group
-``dp_sp`` of ``ParallelContext``); plans with sp > 1 are refused until the modes land."""
+"""Sequence parallelism: the sequence split over ranks, three ways (``applier.py`` picks).
+
+- ``split_gather.py``: Megatron sequence parallelism inside the tp group (``tp=N
+  sp_mode=split_gather``): norms and dropout on sequence shards, all-gather / reduce-scatter at
+  the tp boundaries.
+- ``ulysses.py``: DeepSpeed-Ulysses over the sp axis (``sp_mode=all_to_all``): all-to-all from
+  sequence shards to head shards around attention.
+- ``ring_attention.py`` (+ ``ring_comms.py``, ``zigzag.py``): ring attention over the sp axis
+  (``sp_mode=ring``): K/V passed around the ring, online softmax, zig-zag balance.
+
+``shard_inputs.py`` splits an HF model's input by each rank's global positions and joins the
+sequence after the blocks; ``hf_attention.py`` puts ring/Ulysses behind transformers' attention
+interface. Gradients of the sp ranks' replicated parameters meet in data parallelism, which
+folds sp into dp (``ParallelContext.fold_sp``).
+"""
