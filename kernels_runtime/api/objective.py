@@ -11,7 +11,8 @@ Two objectives for ``(input_ids, labels)`` batches or dicts of model inputs with
   ``labels`` return an output with ``.loss``; any model may return the loss tensor itself.
   Under tensor parallelism with a vocabulary-parallel LM head it computes the same loss from
   each rank's slice of the logits instead (``vocab_parallel_cross_entropy``), never gathering
-  the full (b, s, V) logits.
+  the full (b, s, V) logits; under sp (ring, all_to_all) from each rank's tokens'
+  logits, never joining the sequence (``causal_lm_loss_sequence_parallel``).
 - ``next_token_loss`` computes it outside the model, from its logits: the labels shifted by one
   position, ``-100`` ignored, averaged over the counted tokens in fp32, as transformers does
   inside its causal LMs. This is the one a pipeline's last stage can run on its own.
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels_runtime.parallel.sequence.loss import causal_lm_loss_sequence_parallel
 from kernels_runtime.parallel.state import parallel_state
 from kernels_runtime.parallel.tensor.cross_entropy import causal_lm_loss_vocab_parallel
 
@@ -66,6 +68,14 @@ def shifted_cross_entropy(output: Any, batch: Any) -> torch.Tensor:
 
 def forward_with_labels(model: nn.Module, batch: Any) -> Any:
     state = parallel_state(model)
+    if state is not None and state.sequence is not None:
+        head = model.get_submodule(state.vocab_head) if state.vocab_head else None
+        ids, labels = (batch["input_ids"], batch["labels"]) if isinstance(batch, dict) \
+            else (batch[0], batch[1])
+        rest = {k: v for k, v in batch.items() if k not in ("input_ids", "labels")} \
+            if isinstance(batch, dict) else {}
+        return causal_lm_loss_sequence_parallel(model, state.sequence, state.ctx.size("sp"),
+                                                ids, labels, head, **rest)
     if state is not None and state.vocab_head is not None:
         head = model.get_submodule(state.vocab_head)
         if isinstance(batch, dict):

@@ -40,6 +40,7 @@ class ParallelState:
     model_state: ModelState | None = None  # set by the data applier
     schedule: Any = None  # a pipeline schedule; None: micro-batches in sequence
     vocab_head: str | None = None  # path of a vocabulary-parallel LM head (tensor parallel)
+    sequence: Any = None  # the SequenceShard of sp_mode ring / all_to_all (sequence parallel)
     applied: list[str] = field(default_factory=list)  # appliers that changed the model
     replaced: list[tuple[str, str]] = field(default_factory=list)  # (module, what it became)
     # id of a parameter the user's optimizer was built over -> the model's new one (shards)

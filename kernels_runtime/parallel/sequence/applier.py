@@ -68,6 +68,7 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
                 state.replaced.append((f"{path}.{i}.{found[0]}",
                                        f"attention -> {NAMES[plan.sp_mode]} over sp={plan.sp}"))
         install(model, attention, shard)
+        state.sequence = shard
         body = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
         shard_inputs.register(model, body, shard, ctx.coord("sp"), plan.sp)
     state.applied.append("sequence")

@@ -13,6 +13,8 @@ mask never reaches here.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,16 @@ class SequenceShard:
     causal: bool
     positions: Tensor | None = None  # (s/sp,) global positions of this rank's tokens
     valid: Tensor | None = None  # (b, s) bool, True for real tokens; None: no padding
+    join: bool = True  # False: outputs stay this rank's tokens (a loss computed on shards)
+
+    @contextlib.contextmanager
+    def local(self) -> Iterator[None]:
+        """Within the block the model's outputs are this rank's tokens, (b, s/sp, ...)."""
+        previous, self.join = self.join, False
+        try:
+            yield
+        finally:
+            self.join = previous
 
 
 def _full_mask(shard: SequenceShard, length: int, dtype: torch.dtype,

@@ -96,6 +96,8 @@ def register(model: nn.Module, body: nn.Module, shard: SequenceShard, rank: int,
         return gathered.index_select(SEQUENCE_DIM, inverse)  # sequence order
 
     def join(module: nn.Module, args: tuple, output: Any) -> Any:
+        if not shard.join:
+            return output
         if isinstance(output, torch.Tensor):
             return whole(output)
         if getattr(output, "last_hidden_state", None) is not None:

@@ -18,7 +18,6 @@ summed over tp (``PartialGradModule``); a row-parallel bias too.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -31,32 +30,12 @@ from kernels_runtime.parallel.tensor.layers import (
     ColumnParallelLinear,
     ReplicatedHeadsLinear,
     RowParallelLinear,
+    SharedEntry,
 )
 from kernels_runtime.parallel.tensor.tensor_parallel import wrap_partial_modules
 from kernels_runtime.policies import find_module
 
 COLUMN = (ColumnParallelLinear, ReplicatedHeadsLinear)
-
-
-class SequenceGather:
-    """All-gather along the sequence, once per input: column-parallel layers fed the same
-    tensor (LLaMA's gate and up projections) share one gather, whose backward reduce-scatters
-    their summed input gradient."""
-
-    def __init__(self, comm: Any, group: Any) -> None:
-        self.comm, self.group = comm, group
-        self._source: weakref.ref | None = None
-        self._out: weakref.ref | None = None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._source is not None and self._source() is x:
-            out = self._out() if self._out is not None else None
-            if out is not None:
-                return out
-        out = gather_from_group(x, self.comm, self.group, SEQUENCE_DIM,
-                                backward="reduce_scatter")  # (b, s/tp, h) -> (b, s, h)
-        self._source, self._out = weakref.ref(x), weakref.ref(out)
-        return out
 
 
 def check_length(length: int, parts: int, what: str, unit: int = 1) -> None:
@@ -88,7 +67,8 @@ def apply_split_gather(model: nn.Module, ctx: ParallelContext, blocks: list[nn.M
     """Put the blocks of a tensor-parallel ``model`` on sequence shards (module docstring);
     returns the (module, what it became) lines for the replaced-module table."""
     comm, group, tp = ctx.comm, ctx.group("tp"), ctx.size("tp")
-    gather = SequenceGather(comm, group)
+    gather = SharedEntry(lambda x: gather_from_group(  # (b, s/tp, h) -> (b, s, h), once
+        x, comm, group, SEQUENCE_DIM, backward="reduce_scatter").contiguous())
     replaced: list[tuple[str, str]] = []
     what = f"sp_mode=split_gather with tp={tp}"
 
@@ -105,10 +85,8 @@ def apply_split_gather(model: nn.Module, ctx: ParallelContext, blocks: list[nn.M
             inside = {id(m) for m in found[1].modules()}
         for module in block.modules():
             if isinstance(module, COLUMN):
-                if id(module) in inside:
-                    module.input_gathered = True
-                else:
-                    module.input_gather = gather
+                module.enter = gather
+                module.input_gathered = id(module) in inside
             elif isinstance(module, RowParallelLinear):
                 module.scatter_output = True
         for path in wrap_partial_modules(block, comm, group):
@@ -135,6 +113,9 @@ def apply_split_gather(model: nn.Module, ctx: ParallelContext, blocks: list[nn.M
         if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
             check_length(ids.shape[-1], tp, what)
 
+    for block in blocks:
+        block.register_forward_pre_hook(gather.clear)
+    model.register_forward_hook(gather.clear)
     model.register_forward_pre_hook(check_input, with_kwargs=True)
     blocks[0].register_forward_pre_hook(split_sequence, with_kwargs=True)
     blocks[-1].register_forward_hook(gather_sequence)

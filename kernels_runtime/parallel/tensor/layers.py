@@ -10,14 +10,19 @@ attention. Embeddings and the LM head split the vocabulary.
 The weights are given already cut (``sharding.py``); ``transposed`` marks GPT-2's ``Conv1D``
 storage, (in, out) instead of ``nn.Linear``'s (out, in).
 
-Under Megatron sequence parallelism (``parallel/sequence/split_gather.py`` sets it) the input
-of a column-parallel layer arrives split along the sequence and is all-gathered (``input_gather``;
-or was gathered by the enclosing attention module: ``input_gathered``), whose backward
-reduce-scatters, so the layer skips ``copy_to_group``; a row-parallel layer reduce-scatters its
-output along the sequence instead of all-reducing it (``scatter_output``).
+Column-parallel layers fed the same tensor (q, k and v; gate and up) enter the tp region once:
+they share an ``enter`` (``SharedEntry``), so backward all-reduces their summed input gradient
+once, not once per layer. Under Megatron sequence parallelism (``parallel/sequence/
+split_gather.py`` sets it) that entry is an all-gather along the sequence (or was done by the
+enclosing attention module: ``input_gathered``), whose backward reduce-scatters; a row-parallel
+layer then reduce-scatters its output along the sequence instead of all-reducing it
+(``scatter_output``).
 """
 
 from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -33,12 +38,34 @@ from kernels_runtime.comm.autograd import (
 SEQUENCE_DIM = 1  # hidden states are (b, s, h)
 
 
+class SharedEntry:
+    """Enter a tp region once per input tensor: the first layer given ``x`` runs ``enter(x)``
+    (``copy_to_group``, or a sequence all-gather), the next layers given the same ``x`` reuse
+    its result. Only the source is held weakly; the result is dropped by ``clear`` (at every
+    block's start and the model's end), so no step's tensors outlive it."""
+
+    def __init__(self, enter: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.enter = enter
+        self._source: weakref.ref | None = None
+        self._out: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._source is not None and self._source() is x and self._out is not None:
+            return self._out
+        out = self.enter(x)
+        self._source, self._out = weakref.ref(x), out
+        return out
+
+    def clear(self, *_: object) -> None:
+        self._source, self._out = None, None
+
+
 def _enter(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The input of a column-parallel layer: replicated (1D) or gathered along the sequence."""
-    if layer.input_gather is not None:
-        return layer.input_gather(x)  # (b, s/tp, h) -> (b, s, h)
     if layer.input_gathered:
         return x
+    if layer.enter is not None:
+        return layer.enter(x)  # shared: (b, s, h), or (b, s/tp, h) -> (b, s, h) under SP
     return copy_to_group(x, layer.comm, layer.group)
 
 
@@ -56,7 +83,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(bias) if bias is not None else None  # (out/tp,)
         self.comm, self.group = comm, group
         self.transposed, self.gather_output = transposed, gather_output
-        self.input_gather, self.input_gathered = None, False  # sequence parallelism
+        self.enter: SharedEntry | None = None  # shared with layers fed the same input
+        self.input_gathered = False  # gathered by the enclosing module (sequence parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _enter(self, x)  # (b, s, in), replicated
@@ -83,7 +111,8 @@ class ReplicatedHeadsLinear(nn.Module):
         self.bias = nn.Parameter(bias) if bias is not None else None  # (kv * d,)
         self.comm, self.group = comm, group
         self.start, self.width = start, width  # this rank's head: output rows [start, +width)
-        self.input_gather, self.input_gathered = None, False  # sequence parallelism
+        self.enter: SharedEntry | None = None  # shared with layers fed the same input
+        self.input_gathered = False  # gathered by the enclosing module (sequence parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _enter(self, x)  # (b, s, in), replicated

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels_runtime.comm.autograd import copy_to_group
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.shards import ParamLayout
 from kernels_runtime.parallel.tensor.layers import (
@@ -34,6 +35,7 @@ from kernels_runtime.parallel.tensor.layers import (
     PartialGradModule,
     ReplicatedHeadsLinear,
     RowParallelLinear,
+    SharedEntry,
     VocabParallelEmbedding,
     VocabParallelHead,
 )
@@ -189,12 +191,27 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, resolved: Reso
             head = path
     swapper.retie()
     _layouts_for_aliases(model, swapper.layouts)
+    if blocks_path is not None:
+        _share_entries(model, model.get_submodule(blocks_path), ctx)
     if blocks_path is not None and attention is not None:
         for path in _local_head_counts(model.get_submodule(blocks_path), attention, ctx, heads,
                                        kv_heads):
             swapper.replaced.append((f"{blocks_path}.{path}", "-> PartialGradModule (this "
                                      "rank's heads: gradient summed over tp)"))
     return swapper.layouts, swapper.replaced, swapper.swapped, head
+
+
+def _share_entries(model: nn.Module, blocks: nn.Module, ctx: ParallelContext) -> None:
+    """Column-parallel layers of the blocks fed the same input (q, k, v; gate, up) share one
+    ``copy_to_group``: one all-reduce of their summed input gradient in backward."""
+    comm, group = ctx.comm, ctx.group("tp")
+    entry = SharedEntry(lambda x: copy_to_group(x, comm, group))  # (b, s, h), replicated
+    for block in blocks:
+        block.register_forward_pre_hook(entry.clear)
+        for module in block.modules():
+            if isinstance(module, (ColumnParallelLinear, ReplicatedHeadsLinear)):
+                module.enter = entry
+    model.register_forward_hook(entry.clear)
 
 
 TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, ReplicatedHeadsLinear,
