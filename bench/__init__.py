@@ -5,4 +5,5 @@ Run one with ``python -m bench NAME``, all with ``python -m bench all``. ``gpu_c
 a benchmark but the one prepared check of the GPU path (it reports "skipped" without a GPU).
 """
 
-BENCHMARKS = ("magic_overhead", "data_parallel", "planner", "tensor_parallel", "gpu_check")
+BENCHMARKS = ("magic_overhead", "data_parallel", "planner", "tensor_parallel",
+              "sequence_parallel", "gpu_check")

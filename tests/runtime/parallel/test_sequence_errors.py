@@ -8,12 +8,12 @@ import torch
 from helpers.distributed import context
 
 
-def _llama():
+def _llama(heads: int = 4):
     import transformers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2,
+                                      num_attention_heads=heads, num_key_value_heads=2,
                                       vocab_size=96, max_position_embeddings=32)
     return transformers.LlamaForCausalLM(config)
 
@@ -38,3 +38,32 @@ def test_a_sequence_not_divisible_by_tp_under_split_gather_is_refused(ranks):
         assert "sp_mode=split_gather with tp=2 splits the sequence into 2 equal parts, but " \
                "its length is 7; pad or cut the batch to a multiple of 2 (e.g. 8)" in message
         assert message.endswith("(2, 8, 96)")
+
+
+def test_a_sequence_not_divisible_over_sp_is_refused_with_the_lengths_that_work(ranks):
+    zigzag = ranks(2).run(_odd_length, "sp=2 sp_mode=ring", 6, timeout_s=120)
+    for message in zigzag:  # ring attention's zig-zag layout cuts 2*sp chunks
+        assert message.startswith("sp_mode=ring with sp=2: sequence length 6 does not split "
+                                  "into the 2*sp=4 equal chunks of the zig-zag layout"), message
+        assert "multiples of 4 (e.g. 4 or 8)" in message and message.endswith("(2, 8, 96)")
+    for message in ranks(2).run(_odd_length, "sp=2 sp_mode=all_to_all", 7, timeout_s=120):
+        assert message.startswith("sp_mode=all_to_all with sp=2: sequence length 7 does not "
+                                  "split into the sp=2 equal chunks"), message
+
+
+def _refusal(rank: int, world: int, plan: str, heads: int) -> str:
+    from kernels_runtime import PlanError, parallelize_model
+
+    try:
+        parallelize_model(_llama(heads), ctx=context(plan))
+    except PlanError as err:
+        return str(err)
+    return "no error"
+
+
+def test_ulysses_needs_each_ranks_heads_to_divide_by_sp(ranks):
+    plan = "tp=2 sp=2 sp_mode=all_to_all"
+    assert ranks(4).run(_refusal, plan, 4, timeout_s=120)[0] == "no error"  # 1 head per rank
+    message = ranks(4).run(_refusal, plan, 2, timeout_s=120)[0]
+    assert "divides each rank's 1 attention heads (of 2, tp=2) over sp=2" in message
+    assert "sp_mode=ring" in message

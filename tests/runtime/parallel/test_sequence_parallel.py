@@ -81,7 +81,9 @@ def _split(rank: int, world: int, kind: str, plan: str) -> dict:
 
     model = _model(kind)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = parallelize(model, opt, ctx=context(plan))
+    ctx = context(plan)
+    model, opt = parallelize(model, opt, ctx=ctx)
+    before = ctx.comm.stats.snapshot()
     tokens = []  # tokens each block sees
     for block in model.parallel_state.blocks:
         block.register_forward_pre_hook(lambda m, args: tokens.append(args[0].shape[1]))
@@ -98,8 +100,12 @@ def _split(rank: int, world: int, kind: str, plan: str) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    after = ctx.comm.stats.snapshot()
+    sp_bytes = sum(c.get("bytes", 0) for op, groups in after.items()
+                   for g, c in groups.items() if g == "sp") - sum(
+        c.get("bytes", 0) for op, groups in before.items() for g, c in groups.items() if g == "sp")
     return {"out": out.detach(), "grads": grads, "losses": losses, "tokens": set(tokens),
-            "replaced": model.parallel_state.replaced}
+            "replaced": model.parallel_state.replaced, "sp_bytes": sp_bytes}
 
 
 CASES = [("gpt2", "sp=2 sp_mode=ring"), ("gpt2", "sp=2 sp_mode=all_to_all"),
@@ -117,6 +123,7 @@ def test_sequence_parallel_matches_the_unsplit_model(ranks, kind, plan):
         assert rel < 1e-5, (result["losses"], ref["losses"])
         assert result["tokens"] == {SEQ // 2}, "the blocks saw the whole sequence"
         assert any("over sp=2" in what for _, what in result["replaced"])
+        assert result["sp_bytes"] > 0, "telemetry saw no traffic on the sp axis"
         small = []
         for name, want in ref["grads"].items():
             got = result["grads"][name]
