@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kernels_runtime.parallel.sequence.ring_attention import ring_attention
+from kernels_runtime.parallel.sequence.ring_attention import RingPlan, plan_ring, ring_attention
 from kernels_runtime.parallel.sequence.ulysses import ulysses_attention
 
 ATTENTION_NAME = "colossal_sequence_parallel"
@@ -37,7 +37,10 @@ class SequenceShard:
     group: Any
     causal: bool
     positions: Tensor | None = None  # (s/sp,) global positions of this rank's tokens
+    every: list[Tensor] | None = None  # every rank's positions, in rank order (host)
     valid: Tensor | None = None  # (b, s) bool, True for real tokens; None: no padding
+    rank: int = 0
+    ring_plan: RingPlan | None = None  # built by the first layer of each forward
     join: bool = True  # False: outputs stay this rank's tokens (a loss computed on shards)
 
     @contextlib.contextmanager
@@ -76,11 +79,13 @@ def sequence_parallel_attention(module: nn.Module, query: Tensor, key: Tensor, v
         if dropout:
             raise ValueError("sp_mode=ring has no attention dropout: set the model's attention "
                              "dropout to 0 (e.g. attn_pdrop=0.0) or use sp_mode=all_to_all")
-        valid = None if shard.valid is None else shard.valid.to(query.device).index_select(
-            1, shard.positions.to(query.device))  # (b, s/sp)
+        if shard.ring_plan is None:  # once per forward: every layer has the same layout
+            shard.ring_plan = plan_ring(shard.every, shard.valid, shard.causal, shard.rank,
+                                        query.device)
         out = ring_attention(query, key, value, q_positions=shard.positions,
-                             k_positions=shard.positions, key_valid=valid, causal=shard.causal,
-                             scale=scale, comm=shard.comm, group=shard.group)
+                             k_positions=shard.positions, key_valid=None, causal=shard.causal,
+                             scale=scale, comm=shard.comm, group=shard.group,
+                             plan=shard.ring_plan)
     else:
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # (b, H/sp, s, d)
             mask = _full_mask(shard, q.shape[2], q.dtype, q.device)

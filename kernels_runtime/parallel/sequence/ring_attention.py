@@ -15,8 +15,11 @@ Work is cut into tiles: each rank's tokens are split in two halves (one tile if 
 under the zig-zag layout (``zigzag.py``) are exactly its early and late chunk. A tile pair in
 which no query may see any key (all keys later, or all padding) is never computed; with
 zig-zag every rank then computes the same number of pairs. Which pairs to compute is decided
-once, before the ring turns, from the gathered key masks (``block_schedule``), so the loop has
-no host syncs.
+once, before the ring turns (``block_schedule``), so the loop has no host syncs. Inside a
+model the layout is known before any q exists: every rank's positions follow from the sequence
+length, and every sp rank holds the whole padding mask, so ``plan_ring`` builds the key
+positions, masks and schedule once per forward for all layers, with no collective and no
+host read of device data (padding then prunes no tile; it is masked inside them).
 
 Grouped-query attention (H query heads over Hkv key/value heads) is computed without expanding
 K/V: queries are viewed as (b, Hkv, H/Hkv, s, d), the per-group contraction sums dK/dV over
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +41,30 @@ from kernels_runtime.comm.groups import Group
 from kernels_runtime.parallel.sequence.ring_comms import Ring
 
 Schedule = list[list[tuple[slice, slice]]]  # per ring step: (query tile, key tile) pairs
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """What the ring needs besides q, k, v: every rank's key positions (P, s) and padding
+    (P, b, s) on the device, and the tile schedule (host lists)."""
+
+    keys_at: Tensor
+    valid_at: Tensor | None
+    schedule: Schedule
+
+
+def plan_ring(positions: Sequence[Tensor], valid: Tensor | None, causal: bool, rank: int,
+              device: torch.device) -> RingPlan:
+    """The plan from every group rank's global positions (host tensors, in rank order) and the
+    whole sequence's padding mask (b, s) or None: device ops only, no collective."""
+    keys_at = torch.stack([p.to(torch.int64) for p in positions]).to(device)  # (P, s/sp)
+    valid_at = None
+    if valid is not None:
+        valid = valid.to(device=device, dtype=torch.bool)
+        valid_at = torch.stack([valid.index_select(1, p.to(device)) for p in positions])
+    schedule = block_schedule(positions[rank].tolist(), [p.tolist() for p in positions], None,
+                              causal, rank)
+    return RingPlan(keys_at, valid_at, schedule)
 
 
 def _tiles(length: int) -> list[slice]:
@@ -141,12 +169,15 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_positions: Tensor,
                 k_positions: Tensor, key_valid: Tensor | None, causal: bool, scale: float,
-                comm: Collectives, group: Group) -> Tensor:
+                comm: Collectives, group: Group, plan: RingPlan | None) -> Tensor:
         ring = Ring(comm, group)
-        keys_at, valid_at = ring.gather_keys(k_positions, key_valid, q.device)  # (P, s), (P, b, s)
         q_at = q_positions.to(device=q.device, dtype=torch.int64)  # (s,)
-        usable = valid_at.any(1).tolist() if valid_at is not None else None  # the host reads
-        schedule = block_schedule(q_at.tolist(), keys_at.tolist(), usable, causal, ring.rank)
+        if plan is not None:
+            keys_at, valid_at, schedule = plan.keys_at, plan.valid_at, plan.schedule
+        else:
+            keys_at, valid_at = ring.gather_keys(k_positions, key_valid, q.device)
+            usable = valid_at.any(1).tolist() if valid_at is not None else None  # host reads
+            schedule = block_schedule(q_at.tolist(), keys_at.tolist(), usable, causal, ring.rank)
 
         qg = _grouped(q.float(), k.shape[1])  # (b, Hkv, g, s, d)
         state = _OnlineSoftmax(qg)
@@ -206,19 +237,20 @@ class _RingAttention(torch.autograd.Function):
                 kv = arriving.wait()
         dk, dv = travelling.wait() if travelling is not None else dkv
         return (dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor,
                    k_positions: Tensor, key_valid: Tensor | None, causal: bool, scale: float,
-                   comm: Collectives, group: Group) -> Tensor:
+                   comm: Collectives, group: Group, plan: RingPlan | None = None) -> Tensor:
     """Softmax attention of this rank's queries over the keys of every rank of ``group``.
 
     q: (b, H, s_local, d); k, v: (b, Hkv, s_local, d) with H % Hkv == 0; q_positions and
     k_positions: (s_local,) global positions of this rank's tokens (any layout, e.g.
     ``zigzag_positions``); key_valid: (b, s_local) bool, False for padding keys, or None.
     A query at position i sees keys at positions <= i when ``causal``. Every rank must pass the
-    same shapes. Returns (b, H, s_local, d) in q's dtype; rows with no visible key are 0."""
+    same shapes. Returns (b, H, s_local, d) in q's dtype; rows with no visible key are 0.
+    ``plan`` (``plan_ring``) replaces the key exchange and host reads done here without one."""
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(f"ring_attention takes q (b, H, s, d) and k, v (b, Hkv, s, d); got "
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -232,4 +264,4 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor,
     if key_valid is not None and key_valid.shape != (b, s_k):
         raise ValueError(f"key_valid {tuple(key_valid.shape)} must be ({b}, {s_k}) or None")
     return _RingAttention.apply(q, k, v, q_positions, k_positions, key_valid, causal, scale,
-                                comm, group)
+                                comm, group, plan)

@@ -73,8 +73,11 @@ def register(model: nn.Module, body: nn.Module, shard: SequenceShard, rank: int,
         batch, length = first.shape[0], first.shape[SEQUENCE_DIM]
         positions = layout_positions(shard.mode, length, rank, sp)  # (s/sp,)
         mask = kwargs.pop("attention_mask", None)
-        shard.valid = None if mask is None or bool(mask.all()) else mask.bool()  # (b, s)
-        shard.positions = positions
+        if mask is not None and shard.mode == "all_to_all" and bool(mask.all()):
+            mask = None  # Ulysses' sdpa then runs its causal kernel, no (s, s) mask (a host
+            # read of the mask, once per forward)
+        shard.valid = None if mask is None else mask.bool()  # (b, s)
+        shard.positions, shard.rank, shard.ring_plan = positions, rank, None
         if kwargs.get("position_ids") is None:
             kwargs["position_ids"] = torch.arange(length, device=first.device).expand(
                 batch, -1)  # (b, s)
@@ -83,10 +86,9 @@ def register(model: nn.Module, body: nn.Module, shard: SequenceShard, rank: int,
             if isinstance(value, torch.Tensor):
                 kwargs[key] = value.index_select(SEQUENCE_DIM, positions.to(value.device))
         kwargs["use_cache"] = False  # a cache of one shard's keys serves no later call
-        if length not in order:
-            everyone = torch.cat([layout_positions(shard.mode, length, r, sp)
-                                  for r in range(sp)])  # gathered order -> global positions
-            order[length] = torch.argsort(everyone)
+        shard.every = [layout_positions(shard.mode, length, r, sp) for r in range(sp)]
+        if length not in order:  # gathered order -> sequence order
+            order[length] = torch.argsort(torch.cat(shard.every))
         return args, kwargs
 
     def whole(hidden: torch.Tensor) -> torch.Tensor:  # (b, s/sp, h) -> (b, s, h)
