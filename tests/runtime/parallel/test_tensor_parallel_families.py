@@ -1,11 +1,13 @@
-"""1D tensor parallelism on BERT, ViT and a plain PyTorch model, against the unsplit model.
+"""1D tensor parallelism on BERT, ViT, a plain model and LLaMA-policy families, against the
+unsplit model.
 
 What is protected: under tp=2 on 2 real ranks, HF BERT (with a padding mask; a classifier, and
-the masked LM whose tied decoder splits an odd vocabulary of 61), HF ViT and a
-plain multi-head transformer read by the generic policy give the unsplit model's outputs and,
-assembled through the layouts, every parameter's gradient (1e-5 relative L2 per parameter,
-1e-8 absolute where the reference gradient is below 1e-6); a LLaMA saved with
-``save_pretrained`` and loaded with ``from_pretrained`` gives the unsplit logits under tp=2.
+the masked LM whose tied decoder splits an odd vocabulary of 61), HF ViT and a plain multi-head
+transformer read by the generic policy, and the LLaMA policy's other families (Qwen2 with q/k/v
+biases, Qwen3 with per-head q/k norms, Mistral) give the unsplit model's outputs and, assembled
+through the layouts, every parameter's gradient (1e-5 relative L2 per parameter, 1e-8 absolute
+where the reference gradient is below 1e-6); a LLaMA saved with ``save_pretrained`` and loaded
+with ``from_pretrained`` gives the unsplit logits under tp=2.
 """
 
 from __future__ import annotations
@@ -69,6 +71,14 @@ def _build(kind: str) -> nn.Module:
     if kind == "vit":
         return transformers.ViTForImageClassification(
             transformers.ViTConfig(**small, image_size=16, patch_size=8, num_labels=3))
+    causal = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=64, vocab_size=40)
+    if kind == "qwen2":  # biases on q, k, v
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**causal))
+    if kind == "qwen3":  # per-head q and k norms: each rank's gradient covers its heads
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**causal, head_dim=8))
+    if kind == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**causal))
     return Plain()
 
 
@@ -81,6 +91,8 @@ def _output(kind: str, model: nn.Module) -> torch.Tensor:
         return model(input_ids=ids, attention_mask=mask).logits
     if kind == "vit":
         return model(pixel_values=torch.randn(2, 3, 16, 16, generator=g)).logits
+    if kind in ("qwen2", "qwen3", "mistral"):
+        return model(input_ids=torch.randint(0, 40, (2, 6), generator=g)).logits
     return model(torch.randint(0, 40, (2, 6), generator=g))
 
 
@@ -111,7 +123,8 @@ def _split(rank: int, world: int, kind: str) -> dict:
     return {"out": out.detach(), "placed": placed, "replaced": state.replaced}
 
 
-@pytest.mark.parametrize("kind", ["bert", "bert-mlm", "vit", "plain"])
+@pytest.mark.parametrize("kind", ["bert", "bert-mlm", "vit", "plain", "qwen2", "qwen3",
+                                  "mistral"])
 def test_tensor_parallel_family_matches_the_unsplit_model(ranks, kind):
     want_out, want_grads = _reference(kind)
     results = ranks(2).run(_split, kind)
