@@ -71,6 +71,10 @@ def named_param_groups(
     return groups
 
 
+def _nothing() -> None:
+    return None
+
+
 class ZeroGradSync(GradSync):
     def __init__(
         self,
@@ -165,7 +169,9 @@ class ZeroGradSync(GradSync):
     def _launch(self, b: Bucket) -> None:
         comm, group = self.ctx.comm, self.ctx.dp_group
         store = self._grad_store[b.index]
-        if self.stage == 0:
+        if self.stage == 0 and self.dp == 1:
+            finish = _nothing  # one replica (dp=1 under tp or pp): no reduction, no call
+        elif self.stage == 0:
             finish = zero_comms.start_all_reduce(comm, group, store, self.dp)
         elif self.stage == 1:
             shard = store[slice(*b.shard_range(self.dp_rank))]
