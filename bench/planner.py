@@ -5,8 +5,10 @@ In one run on 2 CPU ranks (gloo), on a small HF GPT-2:
    ``HardwareProfile`` exactly as ``workbench.planner.calibrate(pool)`` does on a pool;
 2. ask ``recommend`` for the fastest plan within a memory budget (computed on every rank from
    the same merged records, so all ranks agree) and add it to the plans to measure;
-3. train every plan (ZeRO 0-3 x fp32/bf16, micro-batches, activation checkpointing): each
-   round re-calibrates, then runs ~0.6 s of consecutive steps of every plan in a rotated order,
+3. train every plan (ZeRO 0-3 x fp32/bf16, micro-batches, activation checkpointing over dp;
+   tp and tp + split_gather, Ulysses and ring over all ranks, each with the same global batch
+   of ``--batch`` x ranks samples; a plan the runtime refuses is listed with its message):
+   each round re-calibrates, then runs ~0.6 s of consecutive steps of every plan in a rotated order,
    so that load from other processes falls on calibration and all plans alike; per plan the
    measurement is the median over rounds of the slowest rank's median step, and the
    predictions use the median calibration;
@@ -23,7 +25,9 @@ the largest block measured without checkpointing (what backward holds while reco
 The model's transient communication buffers are predicted, not measured.
 
 ``--project``: per-GPU model-state memory of a GPT-3-175B-like model under DDP and ZeRO-1/2/3
-on 64 to 1024 GPUs by the ZeRO paper's formulas.
+on 64 to 1024 GPUs by the ZeRO paper's formulas; then the cost model's predicted TFLOP/s per
+GPU for the rows of Megatron-LM's Table 1 without pipeline parallelism (1.7B-18.4B on 32-256
+A100s, tensor parallelism 1-8) next to the published ones (``bench/planner_megatron.py``).
 """
 
 from __future__ import annotations
@@ -38,15 +42,26 @@ from bench.table import print_table
 PLANS = ("zero=0 fp32", "zero=1 fp32", "zero=2 fp32", "zero=3 fp32",
          "zero=0 fp32 mb=2", "zero=2 fp32 mb=2", "zero=0 fp32 ckpt", "zero=3 fp32 ckpt",
          "zero=0 bf16", "zero=1 bf16", "zero=2 bf16", "zero=3 bf16")
+# over all ranks ({w}): tensor parallelism, Megatron sequence parallelism, the sp-axis modes
+MODEL_PLANS = ("tp={w}", "tp={w} sp_mode=split_gather", "tp={w} bf16", "tp={w} ckpt",
+               "sp={w} sp_mode=all_to_all", "sp={w} sp_mode=ring")
 MIB = 2**20
 
 
 def _spec(args: argparse.Namespace):
+    """One global batch for every plan: ``--batch`` samples per rank under pure dp."""
     from workbench.planner import ModelSpec
 
     return ModelSpec(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // 64),
-                     vocab=256, seq=args.seq, batch=args.batch, positions=args.seq,
-                     model_type="gpt2", attention="sdpa", activation="gelu_new")
+                     vocab=256, seq=args.seq, global_batch=args.batch * args.world,
+                     positions=args.seq, model_type="gpt2", attention="sdpa",
+                     activation="gelu_new")
+
+
+def _plans(world: int) -> list[str]:
+    return [f"dp={world} {p}" for p in PLANS] + \
+        [f"dp=1 {p.format(w=world)}" for p in MODEL_PLANS] if world > 1 else \
+        [f"dp=1 {p}" for p in PLANS if "zero=0" in p]
 
 
 def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
@@ -73,7 +88,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
     rounds = [calibrate()]
     calibration_s = time.perf_counter() - t0
     profile = from_measurements(rounds[0])
-    plans = [f"dp={world} {p}" for p in PLANS]
+    plans = [plan_label(predict(p, spec, profile).plan) for p in _plans(world)]
     peaks = [predict(p, spec, profile).peak_bytes for p in plans]
     budget = args.budget_mib * MIB if args.budget_mib else sorted(peaks)[len(peaks) // 2]
     choice = recommend(spec, world, budget, profile, precisions=("fp32", "bf16"))
@@ -82,24 +97,31 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
         plans.append(best)
 
     base = ParallelContext.build(f"dp={world}")
-    runs = {}
+    runs, refused = {}, {}
     for plan in plans:
         torch.manual_seed(0)
         model = _model(args.layers, args.hidden, args.seq)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        ctx = base.with_plan(plan)
-        model, bopt = parallelize(model, opt, ctx=ctx)
-        runs[plan] = (model, bopt, get_policy(model).blocks(model), ctx.plan)
+        try:  # every rank refuses alike: the appliers' checks run before any collective
+            ctx = ParallelContext.build(plan, base.comm)  # groups cached per mesh
+            model, bopt = parallelize(model, opt, ctx=ctx)
+        except ValueError as err:  # PlanError included
+            refused[plan] = str(err).splitlines()[0]
+            continue
+        runs[plan] = (model, bopt, get_policy(model).blocks(model), ctx)
+    plans = [p for p in plans if p in runs]
 
-    def microbatches(step: int, m: int) -> list:
-        x, y = _batch(step, rank, args.batch, args.seq)
-        size = args.batch // m
+    def microbatches(step: int, ctx) -> list:
+        """This dp rank's samples (tp and sp ranks of one replica see the same batch)."""
+        local, m = spec.local_batch(ctx.plan.dp), ctx.plan.microbatches
+        x, y = _batch(step, ctx.dp_rank, local, args.seq)
+        size = local // m
         return [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(m)]
 
     memory = {}
-    for plan, (model, bopt, blocks, p) in runs.items():
-        train_step(model, bopt, microbatches(0, p.microbatches), _loss)  # warm-up, states built
-        memory[plan] = measure_memory(model, bopt, blocks, microbatches(1, p.microbatches)[0])
+    for plan, (model, bopt, blocks, ctx) in runs.items():
+        train_step(model, bopt, microbatches(0, ctx), _loss)  # warm-up, states built
+        memory[plan] = measure_memory(model, bopt, blocks, microbatches(1, ctx)[0])
     times: dict[str, list[float]] = {plan: [] for plan in plans}
     order = list(runs)
     # consecutive steps per round: about args.round_s seconds of each plan, so that one burst of
@@ -110,15 +132,15 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
         if r:
             rounds.append(calibrate())
         for plan in order[r % len(order):] + order[:r % len(order)]:  # rotate: no plan is
-            model, bopt, _, p = runs[plan]  # always first or last after a calibration
+            model, bopt, _, ctx = runs[plan]  # always first or last after a calibration
             steps = []
             for i in range(repeats[plan]):
                 t = time.perf_counter()
-                train_step(model, bopt, microbatches(2 + r * 8 + i, p.microbatches), _loss)
+                train_step(model, bopt, microbatches(2 + r * 8 + i, ctx), _loss)
                 steps.append(time.perf_counter() - t)
             times[plan].append(statistics.median(steps))
     return {"rounds": rounds, "times": times, "memory": memory, "budget": budget,
-            "recommended": best, "calibration_s": calibration_s}
+            "recommended": best, "calibration_s": calibration_s, "refused": refused}
 
 
 def _project(args: argparse.Namespace) -> None:
@@ -136,11 +158,16 @@ def _project(args: argparse.Namespace) -> None:
     print(f"\nheadline: {psi / 1e9:.0f}B model states need {rows[-1][4]:.1f} GB per GPU on 1024 "
           f"GPUs with ZeRO-3 vs {rows[-1][1]:.0f} GB with DDP; the paper's 7.5B/64-GPU example "
           f"gives {check} GB (paper: 120, 31.4, 16.6, 1.9)")
+    from bench.planner_megatron import print_projection
+
+    print_projection()
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench planner")
-    parser.add_argument("--project", action="store_true", help="ZeRO projection table only")
+    parser.add_argument("--project", action="store_true",
+                        help="projections only, no ranks: ZeRO memory table and Megatron-LM "
+                             "Table 1 throughput (predicted vs published TFLOP/s per GPU)")
     parser.add_argument("--psi", type=float, default=175e9, help="parameters, with --project")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--layers", type=int, default=2)
@@ -181,7 +208,7 @@ def main(argv: list[str]) -> None:
         measured[plan] = (step, mem_total + p.memory_by_category()["buffers"])
         if args.verbose:
             print(p.summary(), {t.name: round(t.seconds * 1e3, 1) for t in p.time})
-        rows.append((plan.removeprefix(f"dp={args.world} "), p.step_time * 1e3, step * 1e3,
+        rows.append((plan, p.step_time * 1e3, step * 1e3,
                      f"{(p.step_time / step - 1) * 100:+.0f}%", p.exposed_comm_time * 1e3,
                      p.measurable_bytes / MIB, mem_total / MIB,
                      f"{(p.measurable_bytes / mem_total - 1) * 100:+.1f}%"))
@@ -199,6 +226,8 @@ def main(argv: list[str]) -> None:
           f"{profile.overlap:.2f}")
     print_table(("plan", "pred ms", "meas ms", "err", "exp comm ms", "pred MiB", "meas MiB",
                  "err"), rows)
+    for plan, why in r0["refused"].items():
+        print(f"not measured, the runtime refuses {plan}: {why}")
     budget = r0["budget"]
     final = recommend(spec, args.world, budget, profile, precisions=("fp32", "bf16"))
     best_plan = plan_label(final.plan)
@@ -208,10 +237,15 @@ def main(argv: list[str]) -> None:
             f"{plan_label(final.plan)} was not measured)"
     fitting = {k: v for k, v in measured.items() if v[1] <= budget}
     best_measured = min(fitting, key=lambda k: fitting[k][0])
-    ratio = measured[best_plan][0] / fitting[best_measured][0]
     print(f"\nrecommend(budget {budget / MIB:.1f} MiB per rank), {note}:\n{final.explain(3)}")
-    print(f"recommended {best_plan}: measured {measured[best_plan][0] * 1e3:.0f} ms; best "
-          f"measured within budget {best_measured}: {fitting[best_measured][0] * 1e3:.0f} ms")
+    if best_plan in measured:
+        ratio = measured[best_plan][0] / fitting[best_measured][0]
+        print(f"recommended {best_plan}: measured {measured[best_plan][0] * 1e3:.0f} ms; best "
+              f"measured within budget {best_measured}: {fitting[best_measured][0] * 1e3:.0f} ms")
+    else:
+        ratio = float("nan")
+        print(f"recommended {best_plan} was not measured: the runtime refuses it "
+              f"({r0['refused'].get(best_plan, '?')})")
     mdape_t, mdape_m = statistics.median(time_err) * 100, statistics.median(mem_err) * 100
     print(f"(total bench time {time.perf_counter() - t0:.0f} s)")
     print(f"\nheadline: step-time MdAPE {mdape_t:.1f}% (aim <= 20%), peak-memory MdAPE "

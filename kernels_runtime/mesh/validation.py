@@ -67,7 +67,7 @@ def check_plan(plan: Plan, world_size: int, model_config: Any = None) -> Plan:
             f"the pool has {world_size} ranks; make the product {world_size}, or write dp=auto"
         )
     _check_tensor_mode(plan)
-    if plan.zero_stage and plan.dp == 1:
+    if plan.zero_stage and plan.dp * plan.sp == 1:  # sp ranks are data replicas for ZeRO
         raise PlanError(
             f"zero={plan.zero_stage} shards model states over data-parallel ranks, but dp=1; "
             "use zero=0 or raise dp"

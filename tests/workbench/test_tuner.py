@@ -120,6 +120,43 @@ def test_measure_runs_the_plan_on_the_pool(shell):
 
 
 @pytest.mark.engines
+def test_tensor_parallel_trial_is_predicted_with_the_tp_terms(shell):
+    tuner = Tuner(SPEC, shell=shell, hardware="H100", plan="tp=2 sp_mode=split_gather")
+    assert tuner.plan == Plan(dp=1, tp=2, sp_mode="split_gather")
+    # one workload for every plan: dp=1 carries the 8 samples dp=2 would split
+    assert tuner.prediction.setting.local_batch == 8
+    assert tuner.prediction.comm_by_axis()["tp"] > 0
+    tuner.measure_button.click()
+    tuner.set("tp=2 sp_mode=none")
+    tuner.measure_button.click()
+    for trial in tuner.trials:
+        assert trial.ok, trial.error
+        # tp halves the split weights, split_gather the norms' activations: both as measured
+        assert abs(trial.memory_error()) < 0.02, (trial.plan, trial.predicted_bytes,
+                                                  trial.measured_bytes)
+    assert [t.plan for t in tuner.trials] == ["dp=1 tp=2 sp_mode=split_gather zero=0 fp32",
+                                              "dp=1 tp=2 zero=0 fp32"]
+
+
+@pytest.mark.engines
+def test_sequence_parallel_trials_are_predicted_with_the_sp_terms(shell):
+    """Ulysses and ring on the sp axis: the trial runs them, and the prediction it is compared
+    with (sequence split over sp, the runtime's attention, the sequence joined before the
+    head) holds the measured memory. (A plan the runtime refuses becomes a row with its
+    message: test_failed_trial_is_a_row_and_the_pool_still_works.)"""
+    tuner = Tuner(SPEC, shell=shell, hardware="H100")
+    for mode in ("all_to_all", "ring"):
+        tuner.set(sp=2, sp_mode=mode)
+        assert tuner.prediction is not None and tuner.prediction.comm_by_axis()["sp"] > 0
+        tuner.measure_button.click()
+        trial = tuner.trials[-1]
+        assert trial.ok, trial.error
+        assert abs(trial.memory_error()) < 0.02, (mode, trial.predicted_bytes,
+                                                  trial.measured_bytes)
+    assert "dp=1 sp=2 sp_mode=ring zero=0 fp32" in tuner.trials_pane.value
+
+
+@pytest.mark.engines
 def test_measure_invalid_plan_on_a_pool_sends_nothing(shell):
     tuner = Tuner(SPEC, shell=shell, hardware="H100")
     pool = tuner.pool

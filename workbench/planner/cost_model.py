@@ -1,13 +1,16 @@
 """``predict(plan, model, hardware)``: peak memory per rank and tier, and step time, of a plan.
 
 The prediction is the sum of small terms (``MEMORY_TERMS``, ``TIME_TERMS``), each a function
-of one ``Setting``. Tensor, pipeline and sequence parallelism, offloading and inference join as
-new terms here (and leave ``NOT_MODELED``); nothing else changes. Until then a plan that uses
-them is refused with a clear message rather than predicted wrongly.
+of one ``Setting``. 1D tensor parallelism and sequence parallelism (split_gather, all_to_all,
+ring) have their terms; pipeline parallelism, 2D/2.5D tensor parallelism, offloading and
+inference join as new terms here (and leave ``NOT_MODELED``); nothing else changes. Until then
+a plan that uses them is refused with a clear message rather than predicted wrongly.
 
 Overlap: gradient collectives start while backward still runs, so their time hides behind the
 compute of the same window (``TimeItem.window``), up to the hardware's ``overlap`` fraction of
 that compute, except the last collective of the window, which starts only when backward ends.
+Ring attention's K/V steps hide the same way behind attention compute alone. Tensor-parallel
+collectives and Ulysses all-to-alls have no window: the next product waits for them.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernels_runtime.mesh.plan import Plan, PlanError
-from workbench.planner import memory, timing
+from workbench.planner import memory, parallel_comm, timing
 from workbench.planner.hardware import HardwareProfile, get_profile
 from workbench.planner.setting import CATEGORIES, TIERS, MemoryItem, Setting, TimeItem
 from workbench.planner.spec import ModelSpec
@@ -25,13 +28,14 @@ from workbench.planner.spec import ModelSpec
 MEMORY_TERMS: list[Callable[[Setting], list[MemoryItem]]] = [
     memory.model_states, memory.activations, memory.buffers]
 TIME_TERMS: list[Callable[[Setting], list[TimeItem]]] = [
-    timing.compute, timing.elementwise, timing.optimizer, timing.dp_comm, timing.overhead]
+    timing.compute, timing.elementwise, timing.optimizer, timing.dp_comm,
+    parallel_comm.tp_comm, parallel_comm.sp_comm, timing.overhead]
 NOT_MODELED = {  # plan field -> (value that needs no term, what is missing)
-    "tp": (1, "tensor-parallel compute split and its all-reduces"),
+    "tp_mode": ("1d", "2D/2.5D tensor-parallel grids and their broadcasts"),
     "pp": (1, "pipeline bubble and stage activations"),
-    "sp": (1, "sequence-parallel activation split and its all-to-alls"),
     "offload": ("none", "host/disk tier placement and PCIe traffic"),
 }
+WINDOWS = ("forward", "backward", "backward_last", "forward_attention", "backward_attention")
 
 
 @dataclass(frozen=True)
@@ -80,8 +84,12 @@ class Prediction:
         compute = {"forward": self.seconds("compute", "forward"),
                    "backward": self.seconds("compute", "backward")}
         compute["backward_last"] = compute["backward"] / self.setting.microbatches
+        for phase in ("forward", "backward"):
+            compute[f"{phase}_attention"] = sum(
+                t.seconds for t in self.time
+                if t.kind == "compute" and t.phase == phase and "attention" in t.name)
         out: dict[str, float] = {}
-        for window in ("forward", "backward", "backward_last", None):
+        for window in (*WINDOWS, None):
             items = [t for t in self.time if t.kind == "comm" and t.window == window]
             total = sum(t.seconds for t in items)
             if window is None or not items:
@@ -129,10 +137,15 @@ class Prediction:
 
 
 def plan_label(plan: Plan) -> str:
-    """Short form of a data-parallel plan, e.g. ``dp=8 zero=2 bf16 mb=4 ckpt`` (parses back)."""
+    """Short form of a plan, e.g. ``dp=4 tp=2 sp_mode=split_gather zero=2 bf16 mb=4 ckpt``
+    (parses back)."""
     if any(getattr(plan, k) != v for k, (v, _) in NOT_MODELED.items()):
         return plan.to_string()
-    label = f"dp={plan.dp} zero={plan.zero_stage} {plan.precision}"
+    label = f"dp={plan.dp}"
+    label += f" tp={plan.tp}" if plan.tp > 1 else ""
+    label += f" sp={plan.sp}" if plan.sp > 1 else ""
+    label += f" sp_mode={plan.sp_mode}" if plan.sp_mode != "none" else ""
+    label += f" zero={plan.zero_stage} {plan.precision}"
     if plan.microbatches > 1:
         label += f" mb={plan.microbatches}"
     return label + (" ckpt" if plan.activation_checkpointing else "")
@@ -143,7 +156,24 @@ def _check_modeled(plan: Plan) -> None:
                for name, (plain, what) in NOT_MODELED.items() if getattr(plan, name) != plain]
     if missing:
         raise PlanError("the cost model has no terms yet for " + "; ".join(missing)
-                        + "; it predicts dp/zero/precision/microbatches/checkpointing plans")
+                        + "; it predicts dp/tp (1d)/sp/zero/precision/microbatches/"
+                        "checkpointing plans")
+
+
+def _check_shapes(plan: Plan, spec: ModelSpec) -> None:
+    """What the runtime needs of the workload's shape beyond ``Plan.validate``'s model checks:
+    a sequence that splits evenly (ring attention's zig-zag layout: into 2*sp chunks), and
+    under Ulysses with tp whole heads per tp x sp rank."""
+    split = plan.sp * {"split_gather": plan.tp, "ring": 2}.get(plan.sp_mode, 1)
+    if spec.seq % split:
+        raise PlanError(f"sp_mode={plan.sp_mode} splits the sequence of {spec.seq} tokens "
+                        f"into {split} equal parts; choose a sequence length divisible by "
+                        f"{split}")
+    heads = plan.tp * plan.sp
+    if plan.sp_mode == "all_to_all" and plan.tp > 1 and spec.heads % heads:
+        raise PlanError(f"sp_mode=all_to_all with tp={plan.tp} gives each tp rank "
+                        f"{spec.heads // plan.tp} heads to split over sp={plan.sp}; choose tp*sp "
+                        f"dividing the model's {spec.heads} heads, or sp_mode=ring")
 
 
 def predict(plan: Plan | str, model: Any, hardware: HardwareProfile | str = "H100",
@@ -160,6 +190,7 @@ def predict(plan: Plan | str, model: Any, hardware: HardwareProfile | str = "H10
         world_size = plan.dp * plan.tp * plan.pp * plan.sp
     plan = plan.validate(world_size, spec.plan_config())
     _check_modeled(plan)
+    _check_shapes(plan, spec)
     if not hw.supports(plan.precision):
         raise PlanError(f"precision={plan.precision} has no measured rate on {hw.name}; "
                         f"choose one of {', '.join(hw.matmul_flops)} or calibrate it")

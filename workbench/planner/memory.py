@@ -7,6 +7,12 @@ masters and Adam moments (12); in fp32 the parameters are the masters (4 + 4 + 8
 on FSDP2, which stores fp32 parameter and gradient shards that double as the masters: 4/N +
 4/N + 8/N, the paper's 16/N total split differently (``paper_model_state_bytes`` gives the
 paper's split, used for projections and checked against its 7.5B example).
+
+Under 1D tensor parallelism every count is of this rank's shard (``ModelSpec.params_per_rank``:
+products and column biases / tp, the vocabulary padded to a multiple of tp and split, norms,
+row biases and positions whole), and ZeRO shards that over the data ranks: dp, times sp under
+sequence parallelism on the sp axis (its ranks hold the same parameters, and the runtime folds
+them into the data axis).
 """
 
 from __future__ import annotations
@@ -38,16 +44,22 @@ def runtime_model_state_bytes(psi: float, n: int, stage: int,
 
 
 def model_states(st: Setting) -> list[MemoryItem]:
-    params, grads, opt = runtime_model_state_bytes(st.psi, st.dp, st.plan.zero_stage,
-                                                   st.plan.precision)
+    """ZeRO shards this rank's tensor-parallel shard over the data ranks (dp x sp): tp
+    divides the split weights (products, column biases, the vocabulary), norms and row biases
+    stay whole."""
+    params, grads, opt = runtime_model_state_bytes(st.psi_local, st.data_ranks,
+                                                   st.plan.zero_stage, st.plan.precision)
     masters = "fp32 masters, " if st.plan.precision != "fp32" else ""
-    return [MemoryItem("params", params), MemoryItem("grads", grads),
-            MemoryItem("optimizer", opt, note=f"{masters}Adam moments")]
+    split = f"; 1/{st.tp} of the split weights" if st.tp > 1 else ""
+    return [MemoryItem("params", params, note=split.removeprefix("; ")),
+            MemoryItem("grads", grads), MemoryItem("optimizer", opt,
+                                                   note=f"{masters}Adam moments{split}")]
 
 
 def activations(st: Setting) -> list[MemoryItem]:
     """One micro-batch in flight (micro-batches run one after another)."""
-    act = activation_bytes(st.spec, st.micro_batch, st.elem, st.plan.activation_checkpointing)
+    act = activation_bytes(st.spec, st.micro_batch, st.elem, st.plan.activation_checkpointing,
+                           st.tp, st.sp, st.plan.sp_mode)
     how = "layer inputs + one layer recomputed" if st.plan.activation_checkpointing else \
         "all layers"
     return [MemoryItem("activations", act["layers"], note=how),
@@ -57,11 +69,12 @@ def activations(st: Setting) -> list[MemoryItem]:
 def buffers(st: Setting) -> list[MemoryItem]:
     """Transient buffers at the end of backward (estimates, not measured by the benchmark):
     fp32 copies of 16-bit gradients for the reduction, reduce-scatter outputs, and under ZeRO-3
-    the gathered parameters and unsharded gradients of two blocks plus the root's parameters."""
-    psi, n, stage, e = st.psi, st.dp, st.plan.zero_stage, st.elem
+    the gathered parameters and unsharded gradients of two blocks plus the root's parameters
+    (all of this rank's tensor-parallel shard)."""
+    psi, n, stage, e = st.psi_local, st.data_ranks, st.plan.zero_stage, st.elem
     if stage == 3:
-        layer = st.spec.layer_params
-        root = st.spec.embedding_params
+        layer = st.spec.layer_params_per_rank(st.tp)
+        root = st.spec.embedding_params_per_rank(st.tp)
         return [MemoryItem("buffers", (2 * layer + root) * e + 2 * layer * 4,
                            note="gathered blocks")]
     fp32_copy = psi * 4 if (e != 4 or stage == 2) else 0.0

@@ -1,17 +1,19 @@
 """``recommend(model, world_size, budget)``: the fastest plan that fits, and why, in words.
 
-Candidates are every plan the runtime can run today on ``world_size`` ranks: data parallelism
-over all of them with ZeRO 0-3, each precision the hardware has a rate for, micro-batch counts
-dividing the per-rank batch, and activation checkpointing on or off. Tensor, pipeline and
-sequence degrees join ``candidate_plans`` (factor ``world_size`` into dp*tp*pp*sp) once
-``parallelize`` runs them and the cost model has their terms. Every candidate goes through
-``Plan.validate`` and the cost model; those over the memory budget are kept to explain what the
-budget excluded, and if none fits the error says what the smallest plan needs.
+Candidates factor ``world_size`` into dp x tp x sp: 1D tensor parallelism (plain, or with
+Megatron sequence parallelism, sp_mode=split_gather), sequence parallelism over the sp axis
+(Ulysses all-to-all or ring attention), and data parallelism over the rest with ZeRO 0-3; each
+precision the hardware has a rate for, micro-batch counts dividing the per-rank batch, and
+activation checkpointing on or off. Pipeline stages and 2D/2.5D tensor grids join once the cost
+model has their terms. Every candidate goes through ``Plan.validate`` (with the model's head
+counts) and the cost model; invalid ones are kept with the reason, those over the memory budget
+to explain what the budget excluded, and if none fits the error says what the smallest plan
+needs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kernels_runtime.mesh.plan import PRECISIONS, Plan, PlanError
@@ -31,15 +33,39 @@ class NoPlanFitsError(PlanError):
         self.smallest = smallest
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(world_size: int) -> list[tuple[int, int, str]]:
+    """(tp, sp, sp_mode) of every way to split ``world_size`` ranks: plain tp and tp with
+    split_gather (sp = 1), and sp over its axis by all_to_all or ring, with or without tp."""
+    out: list[tuple[int, int, str]] = []
+    for tp in _divisors(world_size):
+        for sp in _divisors(world_size // tp):
+            if sp == 1:
+                out += [(tp, 1, "none")] + ([(tp, 1, "split_gather")] if tp > 1 else [])
+            else:
+                out += [(tp, sp, "all_to_all"), (tp, sp, "ring")]
+    return out
+
+
 def candidate_plans(world_size: int, spec: ModelSpec, precisions: tuple[str, ...],
                     max_microbatches: int = 16) -> list[Plan]:
-    """Every plan of today's search space (validated later, one by one)."""
-    batch = spec.local_batch(world_size)
-    micro = [m for m in range(1, min(batch, max_microbatches) + 1) if batch % m == 0]
-    stages = (0, 1, 2, 3) if world_size > 1 else (0,)
-    return [Plan(dp=world_size, zero_stage=z, precision=p, microbatches=m,
-                 activation_checkpointing=ckpt)
-            for p in precisions for z in stages for m in micro for ckpt in (False, True)]
+    """Every plan of the search space (validated later, one by one). Layouts whose dp does
+    not divide a global batch are left out: they cannot hold the workload at all."""
+    plans = []
+    for tp, sp, mode in layouts(world_size):
+        dp = world_size // (tp * sp)
+        if spec.batch is None and spec.global_batch is not None and spec.global_batch % dp:
+            continue
+        batch = spec.local_batch(dp)
+        micro = [m for m in range(1, min(batch, max_microbatches) + 1) if batch % m == 0]
+        stages = (0, 1, 2, 3) if dp > 1 else (0,)
+        plans += [Plan(dp=dp, tp=tp, sp=sp, sp_mode=mode, zero_stage=z, precision=p,
+                       microbatches=m, activation_checkpointing=ckpt)
+                  for p in precisions for z in stages for m in micro for ckpt in (False, True)]
+    return plans
 
 
 @dataclass
@@ -132,6 +158,15 @@ def _memory_delta(p: Prediction, best: Prediction) -> str:
     return f"saves {d / GB:.3g} GB per rank" if d > 0 else f"needs {-d / GB:.3g} GB more"
 
 
+def per_step_workload(spec: ModelSpec, world_size: int) -> ModelSpec:
+    """Fix the samples per step whatever the plan: a per-rank ``batch`` is read as the global
+    batch pure data parallelism over ``world_size`` ranks would run. Otherwise a plan with tp
+    or sp (fewer data-parallel ranks) would do less work per step and look faster."""
+    if spec.batch is None:
+        return spec
+    return replace(spec, batch=None, global_batch=spec.batch * world_size)
+
+
 def recommend(
     model_config: Any,
     world_size: int,
@@ -143,13 +178,15 @@ def recommend(
     top: int = 3,
     **workload: Any,
 ) -> Recommendation:
-    """Rank today's runnable plans by predicted step time under ``memory_budget_bytes`` per rank
-    (default: the hardware's device memory) and explain the ``top`` ones.
+    """Rank the plans the cost model predicts (dp x tp x sp with ZeRO, precisions, micro-batches,
+    checkpointing) by predicted step time under ``memory_budget_bytes`` per rank (default: the
+    hardware's device memory) and explain the ``top`` ones.
 
     ``model_config``: ModelSpec, dict or HF config; ``workload`` overrides (seq=, batch=,
-    global_batch=). Raises ``NoPlanFitsError`` naming the smallest need when nothing fits.
+    global_batch=); a per-rank batch fixes the global batch (``per_step_workload``). Raises
+    ``NoPlanFitsError`` naming the smallest need when nothing fits.
     """
-    spec = ModelSpec.from_config(model_config, **workload)
+    spec = per_step_workload(ModelSpec.from_config(model_config, **workload), world_size)
     hw = get_profile(hardware)
     budget = float(memory_budget_bytes if memory_budget_bytes is not None else hw.device_memory)
     precisions = tuple(p for p in (precisions or PRECISIONS) if hw.supports(p))

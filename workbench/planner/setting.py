@@ -35,8 +35,33 @@ class Setting:
         return self.plan.microbatches
 
     @property
+    def tp(self) -> int:
+        return self.plan.tp
+
+    @property
+    def sp(self) -> int:
+        """Ranks the sequence is split over on the sp axis (Ulysses or ring attention)."""
+        return self.plan.sp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks holding replicas of the same parameters: dp x sp. The runtime folds sp into
+        the data axis (``ParallelContext.fold_sp``): ZeRO shards over it, gradients reduce
+        over it."""
+        return self.dp * self.sp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Megatron sequence parallelism inside the tp group: what tp leaves whole (norms,
+        dropout, residuals) is split over the sequence too."""
+        return self.plan.sp_mode == "split_gather"
+
+    @property
     def local_batch(self) -> int:
-        return self.spec.local_batch(self.dp)
+        try:
+            return self.spec.local_batch(self.dp)
+        except ValueError as err:
+            raise PlanError(f"{err}; choose dp dividing the global batch") from None
 
     @property
     def micro_batch(self) -> int:
@@ -53,11 +78,23 @@ class Setting:
 
     @property
     def psi(self) -> int:
+        """Parameters of the whole model."""
         return self.spec.param_count
 
     @property
-    def tokens_per_micro(self) -> int:
-        return self.micro_batch * self.spec.seq
+    def psi_local(self) -> float:
+        """Parameters of this rank's tensor-parallel shard: what ZeRO shards further."""
+        return self.spec.params_per_rank(self.tp)
+
+    @property
+    def seq_local(self) -> float:
+        """Tokens of one sample on this rank: the sequence split over sp."""
+        return self.spec.seq / self.sp
+
+    @property
+    def tokens_per_micro(self) -> float:
+        """Tokens one micro-batch puts on this rank."""
+        return self.micro_batch * self.seq_local
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,45 @@ class ModelSpec:
     def param_count(self) -> int:
         return self.params or self.layers * self.layer_params + self.embedding_params
 
+    # ---- under 1D tensor parallelism (the runtime's policies: kernels_runtime/policies) ----
+    @property
+    def layer_split_params(self) -> int:
+        """One block's parameters that 1D tensor parallelism splits: every product's weights
+        and the column-parallel biases (QKV, MLP up). Norms and the row-parallel products'
+        biases stay whole on every tp rank."""
+        column_biases = 0 if self.gated else self.hidden + 2 * self.kv_size + self.ffn_size
+        return self.layer_matmul_params + column_biases
+
+    @property
+    def vocab_params(self) -> int:
+        """Token embedding and, when untied, the output head: split over the vocabulary."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    @property
+    def layer_replicated_tensors(self) -> int:
+        """Parameter tensors of one block that tp leaves whole: the two norms' weights (and
+        LayerNorm biases) and the row-parallel products' biases."""
+        return 2 if self.gated else 6
+
+    def layer_params_per_rank(self, tp: int = 1) -> float:
+        return self.layer_split_params / tp + self.layer_params - self.layer_split_params
+
+    def embedding_params_per_rank(self, tp: int = 1) -> float:
+        """The vocabulary padded locally to a multiple of tp (as ``VocabParallelEmbedding``
+        pads it), positions and the final norm whole."""
+        rows = -(-self.vocab // tp)
+        local_vocab = rows * self.hidden * (1 if self.tied_embeddings else 2)
+        return local_vocab + self.embedding_params - self.vocab_params
+
+    def params_per_rank(self, tp: int = 1) -> float:
+        """Parameters one tensor-parallel rank holds, before ZeRO shards them. A given
+        ``params`` count is scaled by the derived layout's local share."""
+        local = self.layers * self.layer_params_per_rank(tp) + self.embedding_params_per_rank(tp)
+        if self.params:
+            return self.params * local / (self.layers * self.layer_params
+                                          + self.embedding_params)
+        return local
+
     def local_batch(self, dp: int) -> int:
         """Samples per data-parallel rank per step under a plan with ``dp`` replicas."""
         if self.batch is not None:

@@ -9,36 +9,47 @@ Embedding lookups cost no FLOPs, so Psi here counts matrix weights only, the out
 included. Forward and backward divide by their own measured rates, because they differ on some
 hardware (bf16 on a CPU without bf16 instructions: ~10x).
 
-Communication is ring collectives over the data-parallel axis (REFERENCES.md): an all-reduce
-takes ``2(P-1)/P * bytes / bw + 2(P-1) * latency``, a reduce-scatter or an all-gather half the
-bandwidth and latency terms. This runtime reduces gradients in fp32 whatever the precision and
-gathers parameters in the compute dtype.
+Communication is ring collectives (REFERENCES.md): an all-reduce takes ``2(P-1)/P * bytes / bw +
+2(P-1) * latency``, a reduce-scatter, an all-gather or an all-to-all half the bandwidth and
+latency terms. This module prices the data-parallel axis: this runtime reduces gradients in fp32
+whatever the precision and gathers parameters in the compute dtype. Tensor- and
+sequence-parallel traffic is in ``parallel_comm``.
 """
 
 from __future__ import annotations
 
-from workbench.planner.activations import activation_bytes
+from workbench.planner.activations import activation_bytes, profile_for
 from workbench.planner.memory import bucket_count
 from workbench.planner.setting import Setting, TimeItem
 
 
 def ring_seconds(op: str, nbytes: float, ranks: int, bandwidth: float, latency: float,
                  count: int = 1) -> float:
-    """Time of ``count`` ring collectives moving ``nbytes`` in all (the unsharded size)."""
+    """Time of ``count`` ring collectives moving ``nbytes`` in all (the unsharded size; for an
+    all-to-all, the local tensors' size: each rank keeps 1/P of its own and sends the rest)."""
     if ranks <= 1:
         return 0.0
     steps = 2 * (ranks - 1) if op == "all_reduce" else ranks - 1
     return steps / ranks * nbytes / bandwidth + steps * latency * count
 
 
+def p2p_seconds(nbytes: float, bandwidth: float, latency: float, count: int = 1) -> float:
+    """Time of ``count`` point-to-point sends to a neighbour moving ``nbytes`` in all."""
+    return nbytes / bandwidth + latency * count
+
+
 def compute(st: Setting) -> list[TimeItem]:
     """Forward FLOPs per token: 2 per matrix weight of the layers and the output head, and
-    4*s*h per layer for attention; backward twice that; recomputation one more layer forward."""
-    spec, precision = st.spec, st.plan.precision
+    4*s*h per layer for attention; backward twice that; recomputation one more layer forward.
+    Tensor parallelism divides every product (and attention's heads) by tp; a rank of the sp
+    axis computes its s/sp tokens (against all s keys, by ring steps or whole heads)."""
+    spec, precision, t = st.spec, st.plan.precision, st.tp
     tokens = st.tokens_per_micro * st.microbatches
-    layers = spec.layers * 2 * spec.layer_matmul_params * tokens
-    head = 2 * spec.vocab * spec.hidden * tokens
-    attention = spec.layers * 4 * spec.seq * spec.hidden * tokens
+    layers = spec.layers * 2 * spec.layer_matmul_params * tokens / t
+    # this runtime joins the sequence before the head: every sp rank computes all its logits
+    joined = st.sp > 1 and not profile_for(spec).sp_head_split
+    head = 2 * spec.vocab * spec.hidden * tokens * (st.sp if joined else 1) / t
+    attention = spec.layers * 4 * spec.seq * spec.hidden * tokens / t
     fwd, bwd = st.hw.forward_flops(precision), st.hw.backward_flops(precision)
     att_fwd, att_bwd = st.hw.attention_rates(precision)
     items = [
@@ -48,15 +59,18 @@ def compute(st: Setting) -> list[TimeItem]:
         TimeItem("backward attention", "compute", 2 * attention / att_bwd, phase="backward"),
     ]
     if st.plan.activation_checkpointing:
-        items.append(TimeItem("recomputation", "compute", layers / fwd + attention / att_fwd,
-                              phase="backward", note="one more forward of every layer"))
+        items += [TimeItem("recomputation", "compute", layers / fwd, phase="backward",
+                           note="one more forward of every layer's products"),
+                  TimeItem("recomputed attention", "compute", attention / att_fwd,
+                           phase="backward")]
     return items
 
 
 def elementwise(st: Setting) -> list[TimeItem]:
     """Memory-bound ops (norms, activation functions, residual adds, copies, fresh memory),
     proportional to the bytes kept for backward without recomputation."""
-    kept = activation_bytes(st.spec, st.micro_batch, st.elem, checkpointing=False)
+    kept = activation_bytes(st.spec, st.micro_batch, st.elem, False, st.tp, st.sp,
+                            st.plan.sp_mode)
     seconds = (kept["layers"] + kept["head"]) * st.microbatches \
         / st.hw.activation_rate[st.plan.precision]
     items = [TimeItem("forward memory-bound ops", "compute", seconds / 3, phase="forward"),
@@ -70,35 +84,38 @@ def elementwise(st: Setting) -> list[TimeItem]:
 
 def optimizer(st: Setting) -> list[TimeItem]:
     """AdamW on this rank's fp32 masters, plus casts between 16-bit and fp32 copies and
-    zeroing the gradient buffers."""
-    stage, n, e = st.plan.zero_stage, st.dp, st.elem
-    elems = st.psi if stage == 0 else st.psi / n
+    zeroing the gradient buffers (all of this rank's tensor-parallel shard)."""
+    stage, n, e, psi = st.plan.zero_stage, st.data_ranks, st.elem, st.psi_local
+    elems = psi if stage == 0 else psi / n
     casts = (2 * e + 8) * elems if e != 4 else 0.0
-    zeroing = {0: st.psi * e, 1: st.psi * e, 2: st.psi * e / n}.get(stage, 0.0)
+    zeroing = {0: psi * e, 1: psi * e, 2: psi * e / n}.get(stage, 0.0)
     return [TimeItem("optimizer step", "optimizer", elems / st.hw.adam_rate
                      + (casts + zeroing) / st.hw.elementwise_bandwidth["fp32"])]
 
 
 def dp_comm(st: Setting) -> list[TimeItem]:
-    """Gradient reduction and parameter gathering of ZeRO stage 0-3 over the dp axis.
+    """Gradient reduction and parameter gathering of ZeRO stage 0-3 over the data ranks.
 
     Stages 0/1 communicate gradients once per step (earlier micro-batches accumulate locally),
     behind the last micro-batch's backward; stage 2 reduce-scatters after every micro-batch;
     stages 1/2 all-gather the updated parameters after the step, exposed; stage 3 all-gathers
     each block's parameters before its forward and again before its backward, every
-    micro-batch, and reduce-scatters once (1.5x the traffic of an all-reduce).
+    micro-batch, and reduces gradients once (1.5x the traffic of an all-reduce). Each rank
+    moves its tensor-parallel shard. Under sequence parallelism on the sp axis the data ranks
+    are dp x sp (their replicas hold the same parameters): one ring over them.
     """
-    n, stage, m = st.dp, st.plan.zero_stage, st.microbatches
+    n, stage, m = st.data_ranks, st.plan.zero_stage, st.microbatches
     if n == 1:
         return []
-    stride = st.plan.tp * st.plan.sp * st.plan.pp
-    grads, params = st.psi * 4.0, st.psi * float(st.elem)
-    buckets = bucket_count(st.psi) if stage < 3 else st.spec.layers + 1
+    stride = st.plan.tp * st.plan.pp  # dp x sp ranks lie tp apart (pp: not modeled yet)
+    axis = "dp_sp" if st.sp > 1 else "dp"
+    grads, params = st.psi_local * 4.0, st.psi_local * float(st.elem)
+    buckets = bucket_count(st.psi_local) if stage < 3 else st.spec.layers + 1
 
     def item(name: str, op: str, nbytes: float, times: int, window: str | None) -> TimeItem:
         link = st.hw.link(op, n, stride)
         seconds = times * ring_seconds(op, nbytes, n, link.bandwidth, link.latency, buckets)
-        return TimeItem(name, "comm", seconds, window=window, axis="dp", count=times * buckets,
+        return TimeItem(name, "comm", seconds, window=window, axis=axis, count=times * buckets,
                         nbytes=times * nbytes, note=op)
 
     if stage == 0:

@@ -4,6 +4,11 @@ A trial goes through ``execution.run_cell`` like any ``%%colossal`` cell, so it 
 care: dead ranks are reported, a failing rank interrupts the others, a broken process group is
 re-created first, and a timeout interrupts every rank. The engines keep no trace of it but one
 private name, removed at the end.
+
+A tp or sp plan runs like any other: the trial gets the samples of one data-parallel replica
+(``Setting.local_batch``), which its tp and sp ranks share, and the prediction it is compared
+with carries the tp/sp terms. A plan ``parallelize`` refuses fails on every rank; its first
+line (the runtime's own message) becomes the trial row's error.
 """
 
 from __future__ import annotations

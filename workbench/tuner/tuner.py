@@ -25,6 +25,7 @@ from workbench.errors import PoolError, RankFailureError
 from workbench.planner import PROFILES, HardwareProfile, ModelSpec, calibrate, predict
 from workbench.planner import recommend as recommend_plans
 from workbench.planner.cost_model import Prediction, plan_label
+from workbench.planner.recommend import per_step_workload
 from workbench.tuner import render
 from workbench.tuner.controls import make_controls, plan_from, set_value
 from workbench.tuner.trials import Trial
@@ -46,12 +47,15 @@ class Tuner:
         spec = ModelSpec.from_config(model, **workload)
         # Measure builds Hugging Face models, whose default attention is the fused one: predict
         # for that unless the config names another (attention="eager" for the textbook count)
-        self.spec = spec if spec.attention else replace(spec, attention="sdpa")
+        spec = spec if spec.attention else replace(spec, attention="sdpa")
         self._shell = shell
         self._given_pool = pool
         live = pool if pool is not None else active_pool(shell)
         live = live if live is not None and live.started else None
         self.world_size = world_size or (live.world_size if live else 8)
+        # one workload for every plan: a per-rank batch is the global batch of dp = world, so
+        # a tp or sp plan (fewer data-parallel ranks, more samples each) does the same work
+        self.spec = per_step_workload(spec, self.world_size)
         self.memory_budget = memory_budget
         self.steps, self.warmup, self.timeout_s = steps, warmup, timeout_s
         self.trials: list[Trial] = []
@@ -268,6 +272,10 @@ def _magics(shell: Any) -> Any:
 def tune(model: Any, **options: Any) -> Tuner:
     """Show the plan tuner for ``model`` (a ModelSpec, dict or HF config; workload keywords
     such as ``seq=``, ``batch=`` or ``global_batch=`` fill what a model config lacks).
+
+    A per-rank ``batch`` is the samples per rank under pure data parallelism: the tuner holds
+    that global batch fixed for every plan, so a tp or sp plan gives each data-parallel replica
+    more samples rather than doing less work.
 
     Options: ``pool`` (default: the notebook's running pool), ``world_size`` (default: the
     pool's, else 8), ``hardware`` (a profile or "A100"/"H100"/"H200"; default: the pool

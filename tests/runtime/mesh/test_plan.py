@@ -57,3 +57,10 @@ def test_invalid_plans_name_the_field_and_a_fix(text, world, config, message):
 def test_unparseable_plan_strings(text, message):
     with pytest.raises(PlanError, match=message):
         Plan.parse(text)
+
+
+def test_zero_shards_over_sequence_parallel_ranks_too():
+    """sp ranks hold the same parameters, so ZeRO shards over dp x sp: dp=1 sp=2 is allowed."""
+    assert Plan.parse("sp=2 sp_mode=ring zero=1").validate(2).dp == 1
+    with pytest.raises(PlanError, match="dp=1"):
+        Plan.parse("tp=2 zero=1").validate(2)
