@@ -38,15 +38,14 @@ from kernels_runtime.policies import find_module
 COLUMN = (ColumnParallelLinear, ReplicatedHeadsLinear)
 
 
-def check_length(length: int, parts: int, what: str, unit: int = 1) -> None:
+def check_length(length: int, parts: int, what: str) -> None:
     """A clear error, raised the same way on every rank before any collective, when the
     sequence does not split into equal shards."""
-    if length % (parts * unit):
-        multiple = parts * unit
+    if length % parts:
         raise ValueError(
-            f"{what} splits the sequence into {multiple} equal parts, but its length is "
-            f"{length}; pad or cut the batch to a multiple of {multiple} "
-            f"(e.g. {length + (-length) % multiple})")
+            f"{what} splits the sequence into {parts} equal parts, but its length is "
+            f"{length}; pad or cut the batch to a multiple of {parts} "
+            f"(e.g. {length + (-length) % parts})")
 
 
 def _hidden(args: tuple, kwargs: dict) -> torch.Tensor | None:
