@@ -135,11 +135,27 @@ def _check_tensor_mode(plan: Plan) -> None:
         )
 
 
+def _check_grid_model(plan: Plan, heads: int | None, kv_heads: int | None,
+                      hidden: int | None) -> None:
+    """2D/2.5D split the hidden size and the heads over the q columns of the grid."""
+    depth = plan.tp_depth if plan.tp_mode == "2.5d" else 1
+    q = round((plan.tp // depth) ** 0.5)
+    for what, value in (("hidden size", hidden), ("attention heads", heads),
+                        ("key/value heads", kv_heads)):
+        if value is not None and value % q:
+            raise PlanError(
+                f"tp_mode={plan.tp_mode} with tp={plan.tp} splits the model's {value} {what} "
+                f"over the q={q} columns of its grid, but {value} is not divisible by {q}; "
+                f"choose a grid whose side divides {value}, or tp_mode=1d")
+
+
 def _check_model(plan: Plan, config: Any) -> None:
     heads = _config_value(config, "num_attention_heads", "n_head", "num_heads")
     layers = _config_value(config, "num_hidden_layers", "n_layer", "num_layers")
     kv_heads = _config_value(config, "num_key_value_heads")
-    if heads is not None and plan.tp > 1 and heads % plan.tp:
+    if plan.tp_mode != "1d":
+        _check_grid_model(plan, heads, kv_heads, _config_value(config, "hidden_size", "n_embd"))
+    elif heads is not None and plan.tp > 1 and heads % plan.tp:
         raise PlanError(
             f"tp={plan.tp} does not divide the model's {heads} attention heads; "
             f"choose tp among the divisors of {heads}: "

@@ -37,6 +37,10 @@ INVALID = [
     ("pp=4 mb=4", 4, {"n_layer": 2}, "exceeds the model's 2 layers"),
     ("sp=4 sp_mode=all_to_all", 4, {"n_head": 6}, "divisible|dividing"),
     ("dp=0", 2, None, "at least 1"),
+    ("tp=4 tp_mode=2d", 4, {"num_attention_heads": 3}, "3 attention heads over the q=2 columns"),
+    ("tp=4 tp_mode=2d", 4, {"hidden_size": 33}, "33 hidden size over the q=2 columns"),
+    ("tp=8 tp_mode=2.5d depth=2", 8, {"num_key_value_heads": 1, "num_attention_heads": 4},
+     "1 key/value heads over the q=2 columns"),
     ("offload=nvme", 2, None, "offload='nvme'"),
     ("pp=2 mb=3 schedule=interleaved", 2, None, "divisible by pp"),
 ]
@@ -64,3 +68,10 @@ def test_zero_shards_over_sequence_parallel_ranks_too():
     assert Plan.parse("sp=2 sp_mode=ring zero=1").validate(2).dp == 1
     with pytest.raises(PlanError, match="dp=1"):
         Plan.parse("tp=2 zero=1").validate(2)
+
+
+def test_a_grid_splits_heads_over_its_side_not_over_tp():
+    """2D tp=4 (q=2) accepts 6 heads: each grid column holds 3; 1D tp=4 does not."""
+    assert Plan.parse("tp=4 tp_mode=2d").validate(4, {"num_attention_heads": 6}).tp == 4
+    with pytest.raises(PlanError, match="6 attention heads"):
+        Plan.parse("tp=4").validate(4, {"num_attention_heads": 6})
