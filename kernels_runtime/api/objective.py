@@ -30,6 +30,8 @@ from torch import nn
 from kernels_runtime.parallel.sequence.loss import causal_lm_loss_sequence_parallel
 from kernels_runtime.parallel.state import parallel_state
 from kernels_runtime.parallel.tensor.cross_entropy import causal_lm_loss_vocab_parallel
+from kernels_runtime.parallel.tensor.grid import LMHead2D
+from kernels_runtime.parallel.tensor.grid_parallel import causal_lm_loss_grid
 
 IGNORE_INDEX = -100
 
@@ -78,6 +80,12 @@ def forward_with_labels(model: nn.Module, batch: Any) -> Any:
                                                 ids, labels, head, **rest)
     if state is not None and state.vocab_head is not None:
         head = model.get_submodule(state.vocab_head)
+        if isinstance(head, LMHead2D):
+            ids, labels = (batch["input_ids"], batch["labels"]) if isinstance(batch, dict) \
+                else (batch[0], batch[1])
+            rest = {k: v for k, v in batch.items() if k not in ("input_ids", "labels")} \
+                if isinstance(batch, dict) else {}
+            return causal_lm_loss_grid(model, head, ids, labels, **rest)
         if isinstance(batch, dict):
             rest = {k: v for k, v in batch.items() if k not in ("input_ids", "labels")}
             return causal_lm_loss_vocab_parallel(model, head, batch["input_ids"],

@@ -162,6 +162,10 @@ class ParamLayout:
     shape: tuple[int, ...]  # global
     blocks: tuple[Block, ...]
     sharded: frozenset[str] = frozenset()
+    # (this rank's index, count) among the ranks of its sharded axes holding the same boxes:
+    # a 2D grid's norm chunk is held by every row of its column, a 2.5D weight block by every
+    # depth. A gradient norm counts index 0 only; checkpoint writers split the boxes among them.
+    replica: tuple[int, int] = (0, 1)
 
     @classmethod
     def replicated(cls, local_shape: tuple[int, ...]) -> ParamLayout:
@@ -191,5 +195,5 @@ class ParamLayout:
     @property
     def signature(self) -> tuple:
         """What parameters sharing one flat bucket must have in common: their sharding axes
-        (a gradient norm and a checkpoint writer are decided per bucket)."""
-        return tuple(sorted(self.sharded))
+        and replica place (a gradient norm and a checkpoint writer are decided per bucket)."""
+        return (*sorted(self.sharded), self.replica)

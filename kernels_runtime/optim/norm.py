@@ -40,7 +40,7 @@ def global_grad_norm_tensor(shards: list[GradShard], ctx: ParallelContext) -> to
     over = _reduction_axes(ctx, group, live)
     sq = torch.zeros((), dtype=torch.float32, device=ctx.device)
     for s in shards:
-        if all(ctx.coord(a) == 0 for a in over - s.sharded):
+        if s.primary and all(ctx.coord(a) == 0 for a in over - s.sharded):
             sq += s.tensor.float().pow(2).sum()
     if group is not None:
         ctx.comm.all_reduce(sq, group=group)

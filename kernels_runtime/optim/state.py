@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from kernels_runtime.mesh.shards import Shard, split_box
+from kernels_runtime.mesh.shards import ParamLayout, Shard, split_box
 
 PARAM = "param"
 
@@ -69,6 +69,15 @@ def replica_index(coords: dict[str, int], sizes: dict[str, int],
         index = index * sizes[axis] + coords[axis]
         count *= sizes[axis]
     return index, count
+
+
+def layout_replica(layout: ParamLayout, coords: dict[str, int], sizes: dict[str, int],
+                   replicated: list[str]) -> tuple[int, int]:
+    """``replica_index`` over the axes a layout is replicated along, combined with its own
+    replicas inside the sharded axes (``ParamLayout.replica``)."""
+    index, count = replica_index(coords, sizes, replicated)
+    inner, inner_count = layout.replica
+    return index * inner_count + inner, count * inner_count
 
 
 def written_part(offsets: tuple[int, ...], sizes: tuple[int, ...], index: int,

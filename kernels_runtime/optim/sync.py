@@ -26,6 +26,7 @@ class GradShard:
 
     tensor: torch.Tensor
     sharded: frozenset[str] = frozenset()
+    primary: bool = True  # False: another rank of the sharded axes holds the same values
 
 
 class GradSync(ABC):

@@ -30,7 +30,7 @@ from kernels_runtime.optim import (
     optimizer_state_tensors,
     tensor_bytes,
 )
-from kernels_runtime.optim.state import replica_index, state_views, written_part
+from kernels_runtime.optim.state import layout_replica, state_views, written_part
 from kernels_runtime.parallel.data.fsdp_comms import record_fsdp_comms
 from kernels_runtime.parallel.data.zero import named_param_groups
 from kernels_runtime.precision import compute_dtype
@@ -78,8 +78,8 @@ class FsdpState:
             offsets, sizes = self._box(p)
             if saving:  # the dp shard is replicated along the axes the layout does not shard
                 replicated = [a for a in AXES if a != "dp" and a not in layout.sharded]
-                index, count = replica_index(self.ctx.coords,
-                                             {a: self.ctx.size(a) for a in AXES}, replicated)
+                index, count = layout_replica(layout, self.ctx.coords,
+                                              {a: self.ctx.size(a) for a in AXES}, replicated)
                 part = written_part(offsets, sizes, index, count)
                 if part is None:
                     continue
@@ -126,7 +126,9 @@ class FsdpGradSync(FsdpState, GradSync):
         out = []
         for name, p in self.params.items():
             if p.grad is not None:
-                out.append(GradShard(_local(p.grad), self.layouts[name].sharded | {"dp"}))
+                layout = self.layouts[name]
+                out.append(GradShard(_local(p.grad), layout.sharded | {"dp"},
+                                     layout.replica[0] == 0))
         return out
 
     def publish(self) -> None:

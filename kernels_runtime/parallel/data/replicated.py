@@ -14,7 +14,7 @@ from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.plan import AXES
 from kernels_runtime.mesh.shards import ParamLayout
 from kernels_runtime.optim import PARAM, StatePiece
-from kernels_runtime.optim.state import replica_index, written_part
+from kernels_runtime.optim.state import layout_replica, written_part
 
 
 class ReplicatedState:
@@ -34,7 +34,7 @@ class ReplicatedState:
             box = ((0,) * p.dim(), tuple(p.shape))
             if saving:
                 replicated = [a for a in AXES if a not in layout.sharded]
-                index, count = replica_index(self.ctx.coords, sizes, replicated)
+                index, count = layout_replica(layout, self.ctx.coords, sizes, replicated)
                 box = written_part(*box, index, count)
                 if box is None:
                     continue

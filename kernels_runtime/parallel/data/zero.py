@@ -38,7 +38,7 @@ from kernels_runtime.optim import (
     optimizer_state_tensors,
     tensor_bytes,
 )
-from kernels_runtime.optim.state import replica_index, state_views
+from kernels_runtime.optim.state import layout_replica, state_views
 from kernels_runtime.parallel.data import zero_comms
 from kernels_runtime.parallel.data.buckets import Bucket, build_buckets
 from kernels_runtime.precision import compute_dtype
@@ -219,7 +219,8 @@ class ZeroGradSync(GradSync):
         for b, master, store in zip(self.buckets, self.masters, self._grad_store):
             g = store if self.stage != 1 else store[slice(*b.shard_range(self.dp_rank))]
             master.grad = g if g.dtype == torch.float32 else g.float()
-            grads.append(GradShard(master.grad, self._sharded_axes(b)))
+            grads.append(GradShard(master.grad, self._sharded_axes(b),
+                                   self.layouts[b.names[0]].replica[0] == 0))
         return grads
 
     def publish(self) -> None:
@@ -256,8 +257,8 @@ class ZeroGradSync(GradSync):
         if saving:
             sharded = self._sharded_axes(b)
             replicated = [a for a in AXES if a not in sharded]
-            index, count = replica_index(self.ctx.coords, {a: self.ctx.size(a) for a in AXES},
-                                         replicated)
+            index, count = layout_replica(self.layouts[b.names[0]], self.ctx.coords,
+                                          {a: self.ctx.size(a) for a in AXES}, replicated)
             span = end - start
             start, end = start + span * index // count, start + span * (index + 1) // count
         return start, end, base

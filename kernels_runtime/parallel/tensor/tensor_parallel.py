@@ -46,7 +46,7 @@ from kernels_runtime.policies.specs import AttentionSpec
 SPLIT = ("column", "row", "vocab")
 
 
-def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+def parent_of(model: nn.Module, path: str) -> tuple[nn.Module, str]:
     head, _, name = path.rpartition(".")
     return (model.get_submodule(head) if head else model), name
 
@@ -78,7 +78,7 @@ class _Swapper:
             new, layouts = self._column(old, specs["weight"])
         else:
             new, layouts = self._row(old, specs["weight"])
-        parent, name = _parent(self.model, path)
+        parent, name = parent_of(self.model, path)
         setattr(parent, name, new)
         for attribute, layout in layouts.items():
             self.layouts[f"{path}.{attribute}"] = layout
@@ -161,14 +161,9 @@ class _Swapper:
             setattr(new, attribute, previous)
 
 
-def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, resolved: ResolvedLayout,
-                          attention: AttentionSpec | None, blocks_path: str | None,
-                          heads: int | None = None, kv_heads: int | None = None,
-                          ) -> tuple[dict[str, ParamLayout], list, dict, str | None]:
-    """Swap every split module of ``model`` (collective over tp: same shards everywhere);
-    returns the new parameters' layouts, a (module, what it became) list, the map from each
-    replaced parameter's id to its new shard, and the path of the vocabulary-parallel LM head
-    (None without one)."""
+def modules_to_split(resolved: ResolvedLayout) -> dict[str, dict[str, ParamSpec]]:
+    """{module path: {attribute: spec}} of every module with a split parameter, a tied head
+    included (swapped too, onto the same tensor)."""
     by_module: dict[str, dict[str, ParamSpec]] = defaultdict(dict)
     for spec in resolved.specs.values():
         if spec.style in SPLIT:
@@ -179,7 +174,19 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, resolved: Reso
         if spec is not None and spec.style in SPLIT and attribute == "weight":
             by_module.setdefault(module, {})["weight"] = ParamSpec(
                 module, "weight", spec.style, spec.transposed, spec.fused, spec.block, spec.kv)
-    _same_random_state(ctx)
+    return by_module
+
+
+def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, resolved: ResolvedLayout,
+                          attention: AttentionSpec | None, blocks_path: str | None,
+                          heads: int | None = None, kv_heads: int | None = None,
+                          ) -> tuple[dict[str, ParamLayout], list, dict, str | None]:
+    """Swap every split module of ``model`` (collective over tp: same shards everywhere);
+    returns the new parameters' layouts, a (module, what it became) list, the map from each
+    replaced parameter's id to its new shard, and the path of the vocabulary-parallel LM head
+    (None without one)."""
+    by_module = modules_to_split(resolved)
+    same_random_state(ctx)
     swapper = _Swapper(model, ctx, kv_heads)
     # a module only holding an alias of a split parameter (no weight) is re-pointed, not swapped
     order = sorted((p for p in by_module if "weight" in by_module[p]),
@@ -190,7 +197,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, resolved: Reso
         if isinstance(model.get_submodule(path), VocabParallelHead):
             head = path
     swapper.retie()
-    _layouts_for_aliases(model, swapper.layouts)
+    layouts_for_aliases(model, swapper.layouts)
     if blocks_path is not None:
         _share_entries(model, model.get_submodule(blocks_path), ctx)
     if blocks_path is not None and attention is not None:
@@ -227,7 +234,7 @@ def wrap_partial_modules(root: nn.Module, comm, group) -> list[str]:
         if not path or isinstance(module, TP_LAYERS) or not any(
                 True for _ in module.parameters(recurse=False)):
             continue
-        parent, name = _parent(root, path)
+        parent, name = parent_of(root, path)
         setattr(parent, name, PartialGradModule(module, comm, group))
         wrapped.append(path)
     return wrapped
@@ -256,7 +263,7 @@ def _local_head_counts(blocks: nn.Module, attention: AttentionSpec, ctx: Paralle
     return wrapped
 
 
-def _layouts_for_aliases(model: nn.Module, layouts: dict[str, ParamLayout]) -> None:
+def layouts_for_aliases(model: nn.Module, layouts: dict[str, ParamLayout]) -> None:
     """Every name of a split tensor gets its layout (the canonical name may be an alias's)."""
     names = list(model.named_parameters(remove_duplicate=False))
     by_tensor = {id(p): layouts[n] for n, p in names if n in layouts}
@@ -265,7 +272,7 @@ def _layouts_for_aliases(model: nn.Module, layouts: dict[str, ParamLayout]) -> N
             layouts[name] = by_tensor[id(p)]
 
 
-def _same_random_state(ctx: ParallelContext) -> None:
+def same_random_state(ctx: ParallelContext) -> None:
     """Seed every rank of a tp group with one seed drawn by its first rank (host and device
     generators alike), so dropout on replicated activations agrees across the group."""
     group = ctx.group("tp")

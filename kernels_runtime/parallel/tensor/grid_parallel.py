@@ -1,0 +1,229 @@
+"""2D tensor parallelism (SUMMA on a q x q grid) applied to a model by its policy's plan.
+
+The same policy data as 1D (``tensor_parallel.py``) decides which module is which; on the grid
+the split is different: every linear layer, column- or row-parallel in 1D, is a ``Linear2D``
+(SUMMA over the grid's rows and columns), the embedding and a tied LM head share one block of
+the vocabulary, norms are ``LayerNorm2D`` / ``RMSNorm2D`` over the hidden chunk, and learned
+position embeddings keep their hidden chunk (``ChunkEmbedding``). Hidden states between them
+are blocks (b/q, s, h/q): the model's input is cut by batch rows on the way in
+(``scatter_ids``), and the outputs are gathered on the way out (``gather_hidden``: the LM
+head's logits, or the blocks' output when a replicated head such as a classifier follows), so
+HF outputs keep their type and full shape; ``causal_lm_loss`` computes the loss on the blocks
+instead (``grid_cross_entropy``). Attention runs unchanged on this rank's batch rows and heads
+(the heads split over the q columns; the policy's ``local_attributes`` are divided by q).
+
+2.5D (depths of the grid as batch replicas of its weights) is refused here until layouts can
+say "replicated over the depth inside tp" for the gradient norm and checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernels_runtime.comm.autograd import copy_to_group
+from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.mesh.shards import ParamLayout
+from kernels_runtime.parallel.tensor.grid import (
+    Embedding2D,
+    Grid,
+    LayerNorm2D,
+    Linear2D,
+    LMHead2D,
+    RMSNorm2D,
+    chunk_replica,
+    gather_hidden,
+    grid_cross_entropy,
+    scatter_ids,
+    split_features,
+)
+from kernels_runtime.parallel.tensor.tensor_parallel import (
+    layouts_for_aliases,
+    modules_to_split,
+    parent_of,
+    same_random_state,
+)
+from kernels_runtime.policies import ResolvedLayout, find_module
+from kernels_runtime.policies.specs import AttentionSpec
+
+BATCH_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+class ChunkEmbedding(nn.Module):
+    """A learned position (or token-type) embedding keeping hidden chunk j, (n, h/q): every
+    row of the grid looks up its own batch rows, so its gradient is summed down the column."""
+
+    def __init__(self, weight: torch.Tensor, grid: Grid) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)  # (n, h/q)
+        self.grid = grid
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        weight = copy_to_group(self.weight, self.grid.comm, self.grid.col)  # summed grads
+        return nn.functional.embedding(ids, weight)  # (.., s, h/q)
+
+
+def _is_rms_norm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "weight")
+
+
+class _GridSwapper:
+    def __init__(self, model: nn.Module, grid: Grid) -> None:
+        self.model, self.grid = model, grid
+        self.layouts: dict[str, ParamLayout] = {}
+        self.swapped: dict[int, nn.Parameter] = {}
+        self._old: list[torch.Tensor] = []
+        self.replaced: list[tuple[str, str]] = []
+
+    def put(self, path: str, old: nn.Module, new: nn.Module, layouts: dict[str, ParamLayout],
+            how: str) -> None:
+        parent, name = parent_of(self.model, path)
+        setattr(parent, name, new)
+        for attribute, tensor in old.named_parameters(recurse=False):
+            replacement = getattr(new, attribute, None)
+            if isinstance(replacement, nn.Parameter) and id(tensor) not in self.swapped:
+                self.swapped[id(tensor)] = replacement
+                self._old.append(tensor)
+        for attribute, layout in layouts.items():
+            self.layouts[f"{path}.{attribute}"] = layout
+        self.replaced.append((path, f"{type(old).__name__} -> {type(new).__name__} ({how})"))
+
+    def split(self, path: str, spec_style: str, transposed: bool, parts: int) -> None:
+        old, grid = self.model.get_submodule(path), self.grid
+        if spec_style == "vocab" and isinstance(old, nn.Embedding):
+            new = Embedding2D.from_full(old.weight, grid, old.padding_idx)
+            self.put(path, old, new, new.layouts, "vocabulary x hidden block")
+            return
+        if spec_style == "vocab":
+            embedding = self.swapped.get(id(old.weight))
+            owner = next((m for m in self.model.modules() if isinstance(m, Embedding2D)
+                          and m.weight is embedding), None)
+            if owner is not None and getattr(old, "bias", None) is None:
+                new = LMHead2D.tied(owner)
+            else:
+                new = LMHead2D.untied(old.weight, grid, getattr(old, "bias", None))
+            new.gather_output = True
+            self.put(path, old, new, new.layouts, "vocabulary x hidden block, tied"
+                     if owner is not None else "vocabulary x hidden block")
+            return
+        new = Linear2D.from_full(old.weight, getattr(old, "bias", None), grid, transposed, parts)
+        self.put(path, old, new, new.layouts, "SUMMA block")
+
+    def replicated(self, path: str) -> None:
+        """Norms and learned positions inside the grid: their hidden chunk."""
+        old, grid = self.model.get_submodule(path), self.grid
+        if isinstance(old, nn.LayerNorm):
+            weight, w_layout = split_features(old.weight.detach(), grid)
+            bias, b_layout = (split_features(old.bias.detach(), grid) if old.bias is not None
+                              else (None, None))
+            new = LayerNorm2D(weight, bias, grid, old.eps)
+            layouts = {"weight": w_layout, **({"bias": b_layout} if b_layout else {})}
+        elif _is_rms_norm(old):
+            weight, w_layout = split_features(old.weight.detach(), grid)
+            eps = getattr(old, "variance_epsilon", getattr(old, "eps", 1e-6))
+            new, layouts = RMSNorm2D(weight, grid, eps), {"weight": w_layout}
+        elif isinstance(old, nn.Embedding):
+            full = old.weight.detach()
+            width = full.shape[1] // grid.side
+            chunk = full[:, grid.j * width:(grid.j + 1) * width].contiguous()
+            new = ChunkEmbedding(chunk, grid)
+            box = ParamLayout.box(tuple(full.shape), (0, grid.j * width),
+                                  (full.shape[0], width), frozenset({"tp"}))
+            layouts = {"weight": replace(box, replica=chunk_replica(grid))}
+        else:
+            return
+        self.put(path, old, new, layouts, "hidden chunk")
+
+
+def apply_grid_parallel(model: nn.Module, ctx: ParallelContext, resolved: ResolvedLayout,
+                        attention: AttentionSpec | None, blocks_path: str | None,
+                        head_path: str | None) -> tuple[dict[str, ParamLayout], list, dict,
+                                                        str | None]:
+    """Swap ``model``'s modules for grid ones (module docstring); returns the layouts, the
+    replaced-module lines, the old-to-new parameter map and the grid LM head's path."""
+    grid = Grid.of(ctx)
+    same_random_state(ctx)
+    swapper = _GridSwapper(model, grid)
+    by_module = modules_to_split(resolved)
+    order = sorted((p for p in by_module if "weight" in by_module[p]),
+                   key=lambda p: (by_module[p]["weight"].style != "vocab",
+                                  not isinstance(model.get_submodule(p), nn.Embedding), p))
+    for path in order:
+        spec = by_module[path]["weight"]
+        swapper.split(path, spec.style, spec.transposed, max(1, len(spec.fused)))
+    split = set(by_module)
+    for spec in resolved.specs.values():
+        if spec.style == "replicated" and spec.module not in split:
+            split.add(spec.module)
+            swapper.replicated(spec.module)
+    for module in model.modules():  # aliases of swapped parameters (none in these families)
+        for attribute, tensor in list(module.named_parameters(recurse=False)):
+            replacement = swapper.swapped.get(id(tensor))
+            if replacement is not None and replacement is not tensor:
+                setattr(module, attribute, replacement)
+    layouts_for_aliases(model, swapper.layouts)
+    if blocks_path is not None and attention is not None:
+        for block in model.get_submodule(blocks_path):
+            found = find_module(block, attention.path)
+            for attribute in attention.local_attributes if found else ():
+                value = getattr(found[1], attribute, None)
+                if isinstance(value, int):
+                    setattr(found[1], attribute, value // grid.side)
+    head = head_path if head_path and isinstance(model.get_submodule(head_path), LMHead2D) \
+        else None
+    _cut_inputs_and_join_outputs(model, grid, head, blocks_path)
+    return swapper.layouts, swapper.replaced, swapper.swapped, head
+
+
+def _cut_inputs_and_join_outputs(model: nn.Module, grid: Grid, head: str | None,
+                                 blocks_path: str | None) -> None:
+    def cut(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        kwargs = dict(kwargs)
+        if args:
+            kwargs.setdefault("input_ids", args[0])
+            args = args[1:]
+        first = kwargs.get("input_ids")
+        batch = first.shape[0] if isinstance(first, torch.Tensor) else None
+        for key in (*BATCH_KEYS, "position_ids"):
+            value = kwargs.get(key)
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch:
+                kwargs[key] = scatter_ids(value, grid)  # (b/q, s): this row's batch rows
+        return args, kwargs
+
+    model.register_forward_pre_hook(cut, with_kwargs=True)
+    if head is not None:
+        lm_head = model.get_submodule(head)
+        vocab = lm_head.vocab_size
+
+        def join_logits(module: nn.Module, args: tuple, out: torch.Tensor) -> Any:
+            return gather_hidden(out, grid, vocab) if module.gather_output else out
+
+        lm_head.register_forward_hook(join_logits)
+    elif blocks_path is not None:
+        body = model.get_submodule(blocks_path.rpartition(".")[0]) if "." in blocks_path \
+            else model
+
+        def join_hidden(module: nn.Module, args: tuple, output: Any) -> Any:
+            if isinstance(output, torch.Tensor):
+                return gather_hidden(output, grid)
+            output.last_hidden_state = gather_hidden(output.last_hidden_state, grid)
+            return output
+
+        body.register_forward_hook(join_hidden)
+
+
+def causal_lm_loss_grid(model: nn.Module, head: LMHead2D, input_ids: torch.Tensor,
+                        labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
+    """Next-token loss from each rank's logits block (its batch rows, its vocabulary chunk):
+    the (b, s, V) logits are never gathered."""
+    previous, head.gather_output = head.gather_output, False
+    try:
+        output = model(input_ids=input_ids, **inputs)
+    finally:
+        head.gather_output = previous
+    logits = output.logits if hasattr(output, "logits") else output  # (b/q, s, V/q)
+    target = scatter_ids(labels, head.grid)[:, 1:]  # (b/q, s - 1): this row's labels
+    return grid_cross_entropy(logits[:, :-1], target, head.grid, head.vocab_size)
