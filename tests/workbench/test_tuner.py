@@ -101,6 +101,27 @@ def test_recommend_moves_the_controls():
     assert plan_label(tuner.plan) in tuner.message  # the explanation names the choice
 
 
+GRID_SPEC = {**SPEC, "heads": 4}  # q = 2 columns of whole heads
+
+
+def test_grid_modes_are_predicted_with_the_grid_terms():
+    """The tp mode and depth controls reach the cost model's 2D / 2.5D terms."""
+    tuner = Tuner(GRID_SPEC, world_size=8, hardware="H100")
+    tuner.set(dp=2, tp=4, tp_mode="2d")
+    assert tuner.error is None and tuner.plan == Plan(dp=2, tp=4, tp_mode="2d")
+    expected = predict("dp=2 tp=4 tp_mode=2d", tuner.spec, "H100", world_size=8)
+    assert tuner.prediction.step_time == expected.step_time
+    assert {"tp_row", "tp_col"} <= set(tuner.prediction.comm_by_axis())
+    assert "tp_mode=2d" in tuner.prediction_pane.value
+    tuner.set(dp=1, tp=8, tp_mode="2.5d", tp_depth=2)
+    assert tuner.plan == Plan(dp=1, tp=8, tp_mode="2.5d", tp_depth=2)
+    assert tuner.prediction.comm_by_axis()["tp_dep"] > 0
+    assert tuner.prediction.peak_bytes == predict(
+        "dp=1 tp=8 tp_mode=2.5d tp_depth=2", tuner.spec, "H100").peak_bytes
+    tuner.set(tp=8, tp_mode="2d", tp_depth=1)  # 8 is no q x q grid: Plan.validate's words
+    assert tuner.prediction is None and "tp_mode=2d needs tp = q*q" in tuner.error
+
+
 # ---- on a real pool -------------------------------------------------------------------------
 
 @pytest.mark.engines
@@ -197,3 +218,28 @@ def test_use_this_plan_sets_the_default_of_later_cells(shell):
         assert shell.user_ns["seen"] == (2, 1, "bf16", 2)
     finally:
         magics.default_plan = Plan()
+
+
+@pytest.mark.engines
+def test_grid_trials_are_rows_with_the_runtimes_answer():
+    """2D and 2.5D plans on 8 ranks, predicted with the grid terms and sent to the ranks like
+    any trial; both run, each held to the predicted memory (a plan the runtime refused would be
+    a row with its message, and the pool would stay usable for the next)."""
+    from workbench.pool import Pool
+
+    with Pool(n=8) as pool:
+        tuner = Tuner(GRID_SPEC, pool=pool, hardware="H100", plan="tp=8 tp_mode=2.5d tp_depth=2")
+        assert tuner.prediction.comm_by_axis()["tp_dep"] > 0
+        tuner.measure_button.click()
+        tuner.set("dp=2 tp=4 tp_mode=2d")
+        tuner.measure_button.click()
+        deep, flat = tuner.trials
+        assert (deep.plan, flat.plan) == ("dp=1 tp=8 tp_mode=2.5d tp_depth=2 zero=0 fp32",
+                                          "dp=2 tp=4 tp_mode=2d zero=0 fp32")
+        for trial, mode in ((deep, "2.5d"), (flat, "2d")):
+            if trial.ok:  # model states + activations as measured (2D: -0.6% when written)
+                assert abs(trial.memory_error()) < 0.02, (mode, trial.predicted_bytes,
+                                                          trial.measured_bytes)
+            else:
+                assert f"tp_mode={mode}" in trial.error, trial.error
+        assert flat.ok, flat.error  # after a refused trial the pool still runs the next one

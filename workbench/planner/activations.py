@@ -17,12 +17,14 @@ Parallelism divides these counts per rank (``layer_bytes``): 1D tensor paralleli
 ``sharded`` values and the scores by t, Megatron sequence parallelism (sp_mode=split_gather)
 also the ``replicated`` ones and the masks (this runtime keeps its column products'
 all-gathered inputs whole: ``sp_whole``), and Ulysses / ring attention over the sp axis every
-per-token term (each rank keeps its ``s/sp`` tokens).
+per-token term (each rank keeps its ``s/sp`` tokens). A 2D / 2.5D grid (``grid_activation_bytes``)
+splits every term: a rank keeps (b/(d*q), s, h/q) of each tensor and a/q heads of its b/(d*q)
+samples, 1/(d*q^2) = 1/tp of a layer (the table's 1/q^2 for 2D, 1/(d*q^2) for 2.5D).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from workbench.planner.spec import ModelSpec
 
@@ -152,12 +154,15 @@ def head_bytes(spec: ModelSpec, b: int, elem: int, tp: int = 1, sp: int = 1,
 
 
 def activation_bytes(spec: ModelSpec, micro_batch: int, elem: int, checkpointing: bool,
-                     tp: int = 1, sp: int = 1, sp_mode: str = "none") -> dict[str, float]:
+                     tp: int = 1, sp: int = 1, sp_mode: str = "none",
+                     grid: tuple[int, int] | None = None) -> dict[str, float]:
     """Peak bytes kept for backward by one micro-batch on one rank, split into ``layers`` (all
     of them, or under recomputation their inputs plus one layer recomputed in backward) and
     ``head``. A layer's input is whole on every tp rank unless sequence parallelism
     (``sp_mode=split_gather``) splits it (the paper's ``2*s*b*h/t`` per layer), and split over
-    ``sp`` by the sp-axis modes."""
+    ``sp`` by the sp-axis modes. ``grid`` = (q, d): a 2D / 2.5D plan (``tp`` = d*q*q)."""
+    if grid is not None:
+        return grid_activation_bytes(spec, micro_batch, elem, checkpointing, *grid)
     profile = profile_for(spec, sp_mode)
     split_gather = sp_mode == "split_gather"
     one = layer_bytes(profile, spec.seq, micro_batch, spec.hidden, spec.heads, elem, tp,
@@ -169,4 +174,28 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, elem: int, checkpointing
     else:
         layers = spec.layers * one
     head = head_bytes(spec, micro_batch, elem, tp, sp, sp_mode, profile)
+    return {"layers": layers, "head": head}
+
+
+def grid_activation_bytes(spec: ModelSpec, micro_batch: int, elem: int, checkpointing: bool,
+                          q: int, d: int) -> dict[str, float]:
+    """A 2D (d = 1) / 2.5D grid rank: every tensor of a layer as its (b/(d*q), s, h/q) block,
+    so each term of the unsplit layer divides by tp = d*q*q; recomputation keeps the layer
+    input's block, 2*s*b*h/tp. The grid's norms (``LayerNorm2D``, ``RMSNorm2D``) save their
+    input and statistics but no fp32 copy (LLaMA's RMSNorm upcast is not kept). Head: token ids
+    per row block (/(d*q)), the final norm and the head's input as blocks (/tp), and the fp32
+    log-probabilities either of this rank's vocabulary chunk (the grid's vocabulary-parallel
+    loss, /tp) or of the whole micro-batch (an HF output: the runtime gathers the logits from
+    every row, column and depth before the model's own loss, as 1D gathers them whole)."""
+    profile = replace(profile_for(spec), fp32_replicated=0.0)
+    tp = d * q * q
+    s, b, h = spec.seq, micro_batch, spec.hidden
+    one = layer_bytes(profile, s, b, h, spec.heads, elem) / tp
+    if checkpointing:
+        layers = spec.layers * profile.keep * s * b * h * elem / tp + one
+    else:
+        layers = spec.layers * one
+    per_norm = profile.replicated * elem / 2  # a layer's two norms, as in layer_bytes
+    logits = spec.vocab * 4.0 / (tp if profile.vocab_parallel_loss else 1)
+    head = s * b * (8 / (d * q) + h * per_norm / tp + logits)
     return {"layers": layers, "head": head}

@@ -1,16 +1,20 @@
 """``predict(plan, model, hardware)``: peak memory per rank and tier, and step time, of a plan.
 
 The prediction is the sum of small terms (``MEMORY_TERMS``, ``TIME_TERMS``), each a function
-of one ``Setting``. 1D tensor parallelism and sequence parallelism (split_gather, all_to_all,
-ring) have their terms; pipeline parallelism, 2D/2.5D tensor parallelism, offloading and
-inference join as new terms here (and leave ``NOT_MODELED``); nothing else changes. Until then
-a plan that uses them is refused with a clear message rather than predicted wrongly.
+of one ``Setting``. 1D tensor parallelism, 2D / 2.5D grids (``grid``, ``grid_comm``) and
+sequence parallelism (split_gather, all_to_all, ring) have their terms; pipeline parallelism,
+offloading and inference join as new terms here (and leave ``NOT_MODELED``); nothing else
+changes. Until then a plan that uses them is refused with a clear message rather than predicted
+wrongly.
 
 Overlap: gradient collectives start while backward still runs, so their time hides behind the
 compute of the same window (``TimeItem.window``), up to the hardware's ``overlap`` fraction of
 that compute, except the last collective of the window, which starts only when backward ends.
-Ring attention's K/V steps hide the same way behind attention compute alone. Tensor-parallel
-collectives and Ulysses all-to-alls have no window: the next product waits for them.
+Ring attention's K/V steps hide the same way behind attention compute alone, and a grid's
+in-flight SUMMA broadcasts behind the products of their phase (windows ``*_products``). 1D
+tensor-parallel collectives, the grid's reductions and Ulysses all-to-alls have no window: the
+next product waits for them. (Windows over the same compute do not share it: ZeRO-2/3's
+collectives and a grid's broadcasts could each claim the backward products.)
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernels_runtime.mesh.plan import Plan, PlanError
-from workbench.planner import memory, parallel_comm, timing
+from workbench.planner import grid_comm, memory, parallel_comm, timing
+from workbench.planner.grid import check_grid
 from workbench.planner.hardware import HardwareProfile, get_profile
 from workbench.planner.setting import CATEGORIES, TIERS, MemoryItem, Setting, TimeItem
 from workbench.planner.spec import ModelSpec
@@ -29,13 +34,13 @@ MEMORY_TERMS: list[Callable[[Setting], list[MemoryItem]]] = [
     memory.model_states, memory.activations, memory.buffers]
 TIME_TERMS: list[Callable[[Setting], list[TimeItem]]] = [
     timing.compute, timing.elementwise, timing.optimizer, timing.dp_comm,
-    parallel_comm.tp_comm, parallel_comm.sp_comm, timing.overhead]
+    parallel_comm.tp_comm, parallel_comm.sp_comm, grid_comm.grid_comm, timing.overhead]
 NOT_MODELED = {  # plan field -> (value that needs no term, what is missing)
-    "tp_mode": ("1d", "2D/2.5D tensor-parallel grids and their broadcasts"),
     "pp": (1, "pipeline bubble and stage activations"),
     "offload": ("none", "host/disk tier placement and PCIe traffic"),
 }
-WINDOWS = ("forward", "backward", "backward_last", "forward_attention", "backward_attention")
+WINDOWS = ("forward", "backward", "backward_last", "forward_attention", "backward_attention",
+           "forward_products", "backward_products")
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,9 @@ class Prediction:
             compute[f"{phase}_attention"] = sum(
                 t.seconds for t in self.time
                 if t.kind == "compute" and t.phase == phase and "attention" in t.name)
+            compute[f"{phase}_products"] = sum(
+                t.seconds for t in self.time if t.kind == "compute" and t.phase == phase
+                and ("matmuls" in t.name or t.name == "recomputation"))
         out: dict[str, float] = {}
         for window in (*WINDOWS, None):
             items = [t for t in self.time if t.kind == "comm" and t.window == window]
@@ -137,12 +145,14 @@ class Prediction:
 
 
 def plan_label(plan: Plan) -> str:
-    """Short form of a plan, e.g. ``dp=4 tp=2 sp_mode=split_gather zero=2 bf16 mb=4 ckpt``
-    (parses back)."""
+    """Short form of a plan, e.g. ``dp=4 tp=2 sp_mode=split_gather zero=2 bf16 mb=4 ckpt`` or
+    ``dp=1 tp=8 tp_mode=2.5d tp_depth=2 zero=0 fp32`` (parses back)."""
     if any(getattr(plan, k) != v for k, (v, _) in NOT_MODELED.items()):
         return plan.to_string()
     label = f"dp={plan.dp}"
     label += f" tp={plan.tp}" if plan.tp > 1 else ""
+    label += f" tp_mode={plan.tp_mode}" if plan.tp_mode != "1d" else ""
+    label += f" tp_depth={plan.tp_depth}" if plan.tp_depth != 1 else ""
     label += f" sp={plan.sp}" if plan.sp > 1 else ""
     label += f" sp_mode={plan.sp_mode}" if plan.sp_mode != "none" else ""
     label += f" zero={plan.zero_stage} {plan.precision}"
@@ -156,7 +166,7 @@ def _check_modeled(plan: Plan) -> None:
                for name, (plain, what) in NOT_MODELED.items() if getattr(plan, name) != plain]
     if missing:
         raise PlanError("the cost model has no terms yet for " + "; ".join(missing)
-                        + "; it predicts dp/tp (1d)/sp/zero/precision/microbatches/"
+                        + "; it predicts dp/tp (1d, 2d, 2.5d)/sp/zero/precision/microbatches/"
                         "checkpointing plans")
 
 
@@ -196,6 +206,7 @@ def predict(plan: Plan | str, model: Any, hardware: HardwareProfile | str = "H10
                         f"choose one of {', '.join(hw.matmul_flops)} or calibrate it")
     st = Setting(plan, spec, hw, world_size)
     _ = st.micro_batch  # raises PlanError when microbatches do not divide the batch
+    check_grid(st)
     mem = [item for term in MEMORY_TERMS for item in term(st)]
     time = [item for term in TIME_TERMS for item in term(st)]
     return Prediction(st, mem, time)

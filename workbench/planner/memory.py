@@ -12,7 +12,9 @@ Under 1D tensor parallelism every count is of this rank's shard (``ModelSpec.par
 products and column biases / tp, the vocabulary padded to a multiple of tp and split, norms,
 row biases and positions whole), and ZeRO shards that over the data ranks: dp, times sp under
 sequence parallelism on the sp axis (its ranks hold the same parameters, and the runtime folds
-them into the data axis).
+them into the data axis). On a 2D / 2.5D grid a rank holds block (i, j) of every matrix (1/q^2)
+and chunk j of every vector (1/q), the same block on every depth (``ModelSpec.grid_*``): the
+table's parameter memory 1/q^2 whatever d; ZeRO shards that over dp.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def model_states(st: Setting) -> list[MemoryItem]:
                                                    st.plan.zero_stage, st.plan.precision)
     masters = "fp32 masters, " if st.plan.precision != "fp32" else ""
     split = f"; 1/{st.tp} of the split weights" if st.tp > 1 else ""
+    if st.grid is not None:
+        split = f"; 1/{st.grid[0] ** 2} of the matrices (grid block), 1/{st.grid[0]} of vectors"
     return [MemoryItem("params", params, note=split.removeprefix("; ")),
             MemoryItem("grads", grads), MemoryItem("optimizer", opt,
                                                    note=f"{masters}Adam moments{split}")]
@@ -59,7 +63,7 @@ def model_states(st: Setting) -> list[MemoryItem]:
 def activations(st: Setting) -> list[MemoryItem]:
     """One micro-batch in flight (micro-batches run one after another)."""
     act = activation_bytes(st.spec, st.micro_batch, st.elem, st.plan.activation_checkpointing,
-                           st.tp, st.sp, st.plan.sp_mode)
+                           st.tp, st.sp, st.plan.sp_mode, st.grid)
     how = "layer inputs + one layer recomputed" if st.plan.activation_checkpointing else \
         "all layers"
     return [MemoryItem("activations", act["layers"], note=how),
@@ -70,16 +74,28 @@ def buffers(st: Setting) -> list[MemoryItem]:
     """Transient buffers at the end of backward (estimates, not measured by the benchmark):
     fp32 copies of 16-bit gradients for the reduction, reduce-scatter outputs, and under ZeRO-3
     the gathered parameters and unsharded gradients of two blocks plus the root's parameters
-    (all of this rank's tensor-parallel shard)."""
+    (all of this rank's tensor-parallel shard); on a grid also the SUMMA blocks in flight."""
     psi, n, stage, e = st.psi_local, st.data_ranks, st.plan.zero_stage, st.elem
+    grid = [MemoryItem("buffers", summa_buffer_bytes(st), note="SUMMA blocks in flight")] \
+        if st.grid is not None else []
     if stage == 3:
-        layer = st.spec.layer_params_per_rank(st.tp)
-        root = st.spec.embedding_params_per_rank(st.tp)
+        layer, root = st.layer_params_local, st.embedding_params_local
         return [MemoryItem("buffers", (2 * layer + root) * e + 2 * layer * 4,
-                           note="gathered blocks")]
+                           note="gathered blocks"), *grid]
     fp32_copy = psi * 4 if (e != 4 or stage == 2) else 0.0
     shard = psi * 4 / n if stage else 0.0
-    return [MemoryItem("buffers", fp32_copy + shard, note="gradient reduction")]
+    return [MemoryItem("buffers", fp32_copy + shard, note="gradient reduction"), *grid]
+
+
+def summa_buffer_bytes(st: Setting) -> float:
+    """The largest product's transient blocks (``grid_comms``): two activation and two weight
+    blocks double-buffered, and backward's q stacked partials of dX and dW (the inputs of its
+    two reduce-scatters). An estimate, like the other buffers."""
+    assert st.grid is not None
+    q, d = st.grid
+    n = st.micro_batch * st.spec.seq / (d * q)  # tokens per rank
+    return st.elem * max(2 * n * m / q + 2 * m * o / q**2 + n * m + m * o / q
+                         for m, o in st.spec.layer_products)
 
 
 def bucket_count(psi: float) -> int:

@@ -46,9 +46,10 @@ def _collective(st: Setting, name: str, ops: tuple[str, ...], nbytes: float, cou
 
 
 def tp_comm(st: Setting) -> list[TimeItem]:
-    """The tp group's collectives per step (all micro-batches), exposed."""
+    """The tp group's collectives per step (all micro-batches), exposed. A 2D / 2.5D grid's
+    are ``grid_comm``'s."""
     t = st.tp
-    if t == 1:
+    if t == 1 or st.grid is not None:
         return []
     m, layers = st.microbatches, st.spec.layers
     activation = st.tokens_per_micro * st.spec.hidden * st.elem  # (b, s/sp, h) bytes

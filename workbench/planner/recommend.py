@@ -1,14 +1,14 @@
 """``recommend(model, world_size, budget)``: the fastest plan that fits, and why, in words.
 
 Candidates factor ``world_size`` into dp x tp x sp: 1D tensor parallelism (plain, or with
-Megatron sequence parallelism, sp_mode=split_gather), sequence parallelism over the sp axis
-(Ulysses all-to-all or ring attention), and data parallelism over the rest with ZeRO 0-3; each
-precision the hardware has a rate for, micro-batch counts dividing the per-rank batch, and
-activation checkpointing on or off. Pipeline stages and 2D/2.5D tensor grids join once the cost
-model has their terms. Every candidate goes through ``Plan.validate`` (with the model's head
-counts) and the cost model; invalid ones are kept with the reason, those over the memory budget
-to explain what the budget excluded, and if none fits the error says what the smallest plan
-needs.
+Megatron sequence parallelism, sp_mode=split_gather), 2D and 2.5D grids (every q x q and
+q x q x d shape of tp, ``grid.grid_shapes``), sequence parallelism over the sp axis (Ulysses
+all-to-all or ring attention), and data parallelism over the rest with ZeRO 0-3; each precision
+the hardware has a rate for, micro-batch counts dividing the per-rank batch, and activation
+checkpointing on or off. Pipeline stages join once the cost model has their terms. Every
+candidate goes through ``Plan.validate`` (with the model's head counts) and the cost model;
+invalid ones are kept with the reason, those over the memory budget to explain what the budget
+excluded, and if none fits the error says what the smallest plan needs.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 from kernels_runtime.mesh.plan import PRECISIONS, Plan, PlanError
 from workbench.planner.activations import profile_for
 from workbench.planner.cost_model import Prediction, plan_label, predict
+from workbench.planner.grid import grid_shapes
 from workbench.planner.hardware import HardwareProfile, get_profile
 from workbench.planner.spec import ModelSpec
 
@@ -37,33 +38,45 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(world_size: int) -> list[tuple[int, int, str]]:
-    """(tp, sp, sp_mode) of every way to split ``world_size`` ranks: plain tp and tp with
-    split_gather (sp = 1), and sp over its axis by all_to_all or ring, with or without tp."""
-    out: list[tuple[int, int, str]] = []
+Layout = tuple[int, int, str, str, int]  # tp, sp, sp_mode, tp_mode, tp_depth
+
+
+def layouts(world_size: int) -> list[Layout]:
+    """(tp, sp, sp_mode, tp_mode, tp_depth) of every way to split ``world_size`` ranks: plain
+    1D tp and tp with split_gather (sp = 1), tp on each grid shape it has (sp = 1: the grid
+    does not combine with the sp axis), and sp over its axis by all_to_all or ring, with or
+    without 1D tp."""
+    out: list[Layout] = []
     for tp in _divisors(world_size):
         for sp in _divisors(world_size // tp):
             if sp == 1:
-                out += [(tp, 1, "none")] + ([(tp, 1, "split_gather")] if tp > 1 else [])
+                out += [(tp, 1, "none", "1d", 1)]
+                out += [(tp, 1, "split_gather", "1d", 1)] if tp > 1 else []
+                out += [(tp, 1, "none", mode, depth) for mode, depth in grid_shapes(tp)]
             else:
-                out += [(tp, sp, "all_to_all"), (tp, sp, "ring")]
+                out += [(tp, sp, "all_to_all", "1d", 1), (tp, sp, "ring", "1d", 1)]
     return out
 
 
 def candidate_plans(world_size: int, spec: ModelSpec, precisions: tuple[str, ...],
-                    max_microbatches: int = 16) -> list[Plan]:
-    """Every plan of the search space (validated later, one by one). Layouts whose dp does
-    not divide a global batch are left out: they cannot hold the workload at all."""
+                    max_microbatches: int = 16, dp: int | None = None) -> list[Plan]:
+    """Every plan of the search space (validated later, one by one), only those with ``dp``
+    data-parallel replicas if given. Layouts whose dp does not divide a global batch are left
+    out: they cannot hold the workload at all."""
     plans = []
-    for tp, sp, mode in layouts(world_size):
-        dp = world_size // (tp * sp)
-        if spec.batch is None and spec.global_batch is not None and spec.global_batch % dp:
+    for tp, sp, mode, tp_mode, depth in layouts(world_size):
+        replicas = world_size // (tp * sp)
+        if dp is not None and replicas != dp:
             continue
-        batch = spec.local_batch(dp)
+        if spec.batch is None and spec.global_batch is not None \
+                and spec.global_batch % replicas:
+            continue
+        batch = spec.local_batch(replicas)
         micro = [m for m in range(1, min(batch, max_microbatches) + 1) if batch % m == 0]
-        stages = (0, 1, 2, 3) if dp > 1 else (0,)
-        plans += [Plan(dp=dp, tp=tp, sp=sp, sp_mode=mode, zero_stage=z, precision=p,
-                       microbatches=m, activation_checkpointing=ckpt)
+        stages = (0, 1, 2, 3) if replicas > 1 else (0,)
+        plans += [Plan(dp=replicas, tp=tp, sp=sp, sp_mode=mode, tp_mode=tp_mode,
+                       tp_depth=depth, zero_stage=z, precision=p, microbatches=m,
+                       activation_checkpointing=ckpt)
                   for p in precisions for z in stages for m in micro for ckpt in (False, True)]
     return plans
 
@@ -176,15 +189,21 @@ def recommend(
     precisions: tuple[str, ...] | None = None,
     max_microbatches: int = 16,
     top: int = 3,
+    dp: int | None = None,
     **workload: Any,
 ) -> Recommendation:
-    """Rank the plans the cost model predicts (dp x tp x sp with ZeRO, precisions, micro-batches,
-    checkpointing) by predicted step time under ``memory_budget_bytes`` per rank (default: the
-    hardware's device memory) and explain the ``top`` ones.
+    """Rank the plans the cost model predicts (dp x tp x sp with ZeRO, 1D tp or a 2D / 2.5D
+    grid, precisions, micro-batches, checkpointing) by predicted step time under
+    ``memory_budget_bytes`` per rank (default: the hardware's device memory) and explain the
+    ``top`` ones.
 
     ``model_config``: ModelSpec, dict or HF config; ``workload`` overrides (seq=, batch=,
-    global_batch=); a per-rank batch fixes the global batch (``per_step_workload``). Raises
-    ``NoPlanFitsError`` naming the smallest need when nothing fits.
+    global_batch=); a per-rank batch fixes the global batch (``per_step_workload``). ``dp``
+    fixes the data-parallel degree: ``dp=1`` puts every rank on one model replica, the
+    strong-scaling question of the tensor-parallelism papers. (A 2.5D grid's depth is data
+    parallelism over replicated weight blocks, so with dp free it competes with dp x 2D: the
+    same blocks, gradients summed per micro-batch in the compute dtype instead of once per
+    step in fp32.) Raises ``NoPlanFitsError`` naming the smallest need when nothing fits.
     """
     spec = per_step_workload(ModelSpec.from_config(model_config, **workload), world_size)
     hw = get_profile(hardware)
@@ -199,7 +218,9 @@ def recommend(
         notes.append("fp16 left out: no faster than bf16 here, and it needs loss scaling")
     valid: list[Prediction] = []
     invalid: list[tuple[Plan, str]] = []
-    for plan in candidate_plans(world_size, spec, precisions, max_microbatches):
+    if dp is not None:
+        notes.append(f"only plans with dp={dp} were considered")
+    for plan in candidate_plans(world_size, spec, precisions, max_microbatches, dp):
         try:
             valid.append(predict(plan, spec, hw, world_size))
         except PlanError as err:

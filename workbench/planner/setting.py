@@ -7,6 +7,7 @@ functions in the lists of ``cost_model.py`` without touching the existing ones.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kernels_runtime.mesh.plan import Plan, PlanError
@@ -37,6 +38,14 @@ class Setting:
     @property
     def tp(self) -> int:
         return self.plan.tp
+
+    @property
+    def grid(self) -> tuple[int, int] | None:
+        """(q, d) of a 2D (d = 1) or 2.5D tensor-parallel grid, tp = d*q*q; None under 1D."""
+        if self.plan.tp_mode == "1d":
+            return None
+        depth = self.plan.tp_depth if self.plan.tp_mode == "2.5d" else 1
+        return math.isqrt(self.tp // depth), depth
 
     @property
     def sp(self) -> int:
@@ -84,7 +93,22 @@ class Setting:
     @property
     def psi_local(self) -> float:
         """Parameters of this rank's tensor-parallel shard: what ZeRO shards further."""
+        if self.grid is not None:
+            return self.spec.grid_params_per_rank(self.grid[0])
         return self.spec.params_per_rank(self.tp)
+
+    @property
+    def layer_params_local(self) -> float:
+        """One block's parameters on this rank (1D shard or grid block)."""
+        if self.grid is not None:
+            return self.spec.grid_layer_params_per_rank(self.grid[0])
+        return self.spec.layer_params_per_rank(self.tp)
+
+    @property
+    def embedding_params_local(self) -> float:
+        if self.grid is not None:
+            return self.spec.grid_embedding_params_per_rank(self.grid[0])
+        return self.spec.embedding_params_per_rank(self.tp)
 
     @property
     def seq_local(self) -> float:

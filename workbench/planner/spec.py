@@ -175,6 +175,48 @@ class ModelSpec:
                                           + self.embedding_params)
         return local
 
+    # ---- under 2D / 2.5D tensor parallelism (kernels_runtime/parallel/tensor/grid) ---------
+    @property
+    def layer_products(self) -> list[tuple[int, int]]:
+        """(in, out) features of one block's products, each a SUMMA on the grid: GPT-2 fuses
+        q, k, v into one (c_attn); LLaMA-family models have separate q, k, v, gate and up."""
+        h, f, kv = self.hidden, self.ffn_size, self.kv_size
+        if self.gated:
+            return [(h, h), (h, kv), (h, kv), (h, h), (h, f), (h, f), (f, h)]
+        return [(h, h + 2 * kv), (h, h), (h, f), (f, h)]
+
+    @property
+    def layer_vector_params(self) -> int:
+        """One block's biases and norm weights: chunk j of q on each grid rank."""
+        return self.layer_params - self.layer_matmul_params
+
+    @property
+    def final_norm_params(self) -> int:
+        return self.hidden if self.gated else 2 * self.hidden
+
+    def grid_layer_params_per_rank(self, q: int) -> float:
+        """Block (i, j) of every product (1/q^2) and chunk j of every vector (1/q), the same
+        on every depth of a 2.5D grid."""
+        return self.layer_matmul_params / q**2 + self.layer_vector_params / q
+
+    def grid_embedding_params_per_rank(self, q: int) -> float:
+        """The vocabulary as the grid cuts it, E[vocabulary chunk j, hidden chunk i] padded to
+        a multiple of q rows (an untied head alike); learned positions and the final norm keep
+        hidden chunk j (``ChunkEmbedding``, ``LayerNorm2D``)."""
+        rows = -(-self.vocab // q) * (1 if self.tied_embeddings else 2)
+        return rows * self.hidden / q + (self.positions * self.hidden
+                                         + self.final_norm_params) / q
+
+    def grid_params_per_rank(self, q: int) -> float:
+        """Parameters one rank of a q x q grid holds (before ZeRO over dp), scaled like
+        ``params_per_rank`` when a ``params`` count is given."""
+        local = self.layers * self.grid_layer_params_per_rank(q) \
+            + self.grid_embedding_params_per_rank(q)
+        if self.params:
+            return self.params * local / (self.layers * self.layer_params
+                                          + self.embedding_params)
+        return local
+
     def local_batch(self, dp: int) -> int:
         """Samples per data-parallel rank per step under a plan with ``dp`` replicas."""
         if self.batch is not None:

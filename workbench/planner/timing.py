@@ -11,9 +11,11 @@ hardware (bf16 on a CPU without bf16 instructions: ~10x).
 
 Communication is ring collectives (REFERENCES.md): an all-reduce takes ``2(P-1)/P * bytes / bw +
 2(P-1) * latency``, a reduce-scatter, an all-gather or an all-to-all half the bandwidth and
-latency terms. This module prices the data-parallel axis: this runtime reduces gradients in fp32
-whatever the precision and gathers parameters in the compute dtype. Tensor- and
-sequence-parallel traffic is in ``parallel_comm``.
+latency terms. A broadcast (or reduce) pipelines its tensor in chunks along a chain of the P
+ranks: every rank but the root receives (sends) all of it, ``bytes / bw + (P-1) * latency``.
+This module prices the data-parallel axis: this runtime reduces gradients in fp32 whatever the
+precision and gathers parameters in the compute dtype. Tensor- and sequence-parallel traffic is
+in ``parallel_comm``, a 2D / 2.5D grid's in ``grid_comm``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def ring_seconds(op: str, nbytes: float, ranks: int, bandwidth: float, latency: 
     all-to-all, the local tensors' size: each rank keeps 1/P of its own and sends the rest)."""
     if ranks <= 1:
         return 0.0
+    if op in ("broadcast", "reduce"):
+        return nbytes / bandwidth + (ranks - 1) * latency * count
     steps = 2 * (ranks - 1) if op == "all_reduce" else ranks - 1
     return steps / ranks * nbytes / bandwidth + steps * latency * count
 
@@ -41,8 +45,9 @@ def p2p_seconds(nbytes: float, bandwidth: float, latency: float, count: int = 1)
 def compute(st: Setting) -> list[TimeItem]:
     """Forward FLOPs per token: 2 per matrix weight of the layers and the output head, and
     4*s*h per layer for attention; backward twice that; recomputation one more layer forward.
-    Tensor parallelism divides every product (and attention's heads) by tp; a rank of the sp
-    axis computes its s/sp tokens (against all s keys, by ring steps or whole heads)."""
+    Tensor parallelism, 1D or on a grid, divides every product (and attention's heads, on a
+    grid also the samples) by tp; a rank of the sp axis computes its s/sp tokens (against all
+    s keys, by ring steps or whole heads)."""
     spec, precision, t = st.spec, st.plan.precision, st.tp
     tokens = st.tokens_per_micro * st.microbatches
     layers = spec.layers * 2 * spec.layer_matmul_params * tokens / t
@@ -70,7 +75,7 @@ def elementwise(st: Setting) -> list[TimeItem]:
     """Memory-bound ops (norms, activation functions, residual adds, copies, fresh memory),
     proportional to the bytes kept for backward without recomputation."""
     kept = activation_bytes(st.spec, st.micro_batch, st.elem, False, st.tp, st.sp,
-                            st.plan.sp_mode)
+                            st.plan.sp_mode, st.grid)
     seconds = (kept["layers"] + kept["head"]) * st.microbatches \
         / st.hw.activation_rate[st.plan.precision]
     items = [TimeItem("forward memory-bound ops", "compute", seconds / 3, phase="forward"),

@@ -1,12 +1,11 @@
 """The tensor-parallel applier (first in ``parallelize``'s order): 1D tensor parallelism by the
-model's policy (``tensor_parallel.py``), or 2D on a grid (``grid_parallel.py``). 2.5D is refused
-until layouts can mark the grid's depth replicas."""
+model's policy (``tensor_parallel.py``), or 2D / 2.5D on a grid (``grid_parallel.py``)."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from kernels_runtime.parallel.state import ParallelState, not_available
+from kernels_runtime.parallel.state import ParallelState
 from kernels_runtime.parallel.tensor.grid_parallel import apply_grid_parallel
 from kernels_runtime.parallel.tensor.tensor_parallel import apply_tensor_parallel
 from kernels_runtime.policies import find_module
@@ -19,8 +18,6 @@ def check(state: ParallelState, model: nn.Module) -> str | None:
     plan = state.ctx.plan
     if plan.tp == 1:
         return None
-    if plan.tp_mode == "2.5d":
-        return not_available(f"tensor parallelism in tp_mode={plan.tp_mode}")
     policy = state.policy
     layout = policy.model_layout(model)
     if layout is None or layout.extra.get("unreadable"):
@@ -44,7 +41,7 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     blocks = find_module(model, layout.blocks)
     attention = layout.attention
     heads, kv_heads = policy.attention_heads(model)
-    if ctx.plan.tp_mode == "2d":
+    if ctx.plan.tp_mode in ("2d", "2.5d"):
         found = find_module(model, layout.head) if layout.head else None
         layouts, replaced, params, head = apply_grid_parallel(
             model, ctx, resolved, attention, blocks[0] if blocks else None,

@@ -1,19 +1,21 @@
-"""2D tensor parallelism (SUMMA on a q x q grid) applied to a model by its policy's plan.
+"""2D and 2.5D tensor parallelism (SUMMA on a q x q grid; Tesseract: d such grids) applied to a
+model by its policy's plan.
 
 The same policy data as 1D (``tensor_parallel.py``) decides which module is which; on the grid
 the split is different: every linear layer, column- or row-parallel in 1D, is a ``Linear2D``
 (SUMMA over the grid's rows and columns), the embedding and a tied LM head share one block of
 the vocabulary, norms are ``LayerNorm2D`` / ``RMSNorm2D`` over the hidden chunk, and learned
 position embeddings keep their hidden chunk (``ChunkEmbedding``). Hidden states between them
-are blocks (b/q, s, h/q): the model's input is cut by batch rows on the way in
+are blocks (b/(d*q), s, h/q): the model's input is cut by batch rows on the way in
 (``scatter_ids``), and the outputs are gathered on the way out (``gather_hidden``: the LM
 head's logits, or the blocks' output when a replicated head such as a classifier follows), so
 HF outputs keep their type and full shape; ``causal_lm_loss`` computes the loss on the blocks
 instead (``grid_cross_entropy``). Attention runs unchanged on this rank's batch rows and heads
 (the heads split over the q columns; the policy's ``local_attributes`` are divided by q).
 
-2.5D (depths of the grid as batch replicas of its weights) is refused here until layouts can
-say "replicated over the depth inside tp" for the gradient norm and checkpoints.
+Under 2.5D the d grids work on other batch rows with the same weight blocks, whose gradients
+the kernels sum over the depth; layouts mark those copies (``ParamLayout.replica``), so the
+gradient norm counts them once and checkpoints write them once.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ BATCH_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 
 class ChunkEmbedding(nn.Module):
     """A learned position (or token-type) embedding keeping hidden chunk j, (n, h/q): every
-    row of the grid looks up its own batch rows, so its gradient is summed down the column."""
+    row (and depth) of the grid looks up its own batch rows, so its gradient is summed down the
+    column and over the depths."""
 
     def __init__(self, weight: torch.Tensor, grid: Grid) -> None:
         super().__init__()
@@ -62,7 +65,10 @@ class ChunkEmbedding(nn.Module):
         self.grid = grid
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        weight = copy_to_group(self.weight, self.grid.comm, self.grid.col)  # summed grads
+        grid = self.grid
+        weight = copy_to_group(self.weight, grid.comm, grid.col)  # grads summed down the column
+        if grid.dep is not None:
+            weight = copy_to_group(weight, grid.comm, grid.dep)  # and over the depths
         return nn.functional.embedding(ids, weight)  # (.., s, h/q)
 
 

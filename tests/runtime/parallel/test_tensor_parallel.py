@@ -96,7 +96,9 @@ def _split(rank: int, world: int, kind: str, plan: str) -> dict:
 @pytest.mark.parametrize("kind, plan", [
     ("gpt2", "tp=2"), ("gpt2", "tp=4"), ("llama", "tp=2"), ("llama", "tp=4"),
     ("gpt2", "tp=2 sp_mode=split_gather"), ("llama", "tp=2 sp_mode=split_gather"),
-    ("gpt2", "tp=4 tp_mode=2d"), ("llama", "tp=4 tp_mode=2d")])
+    ("gpt2", "tp=4 tp_mode=2d"), ("llama", "tp=4 tp_mode=2d"),
+    pytest.param("gpt2", "tp=8 tp_mode=2.5d tp_depth=2", marks=pytest.mark.slow),
+    pytest.param("llama", "tp=8 tp_mode=2.5d tp_depth=2", marks=pytest.mark.slow)])
 def test_tensor_parallel_matches_the_unsplit_model(ranks, kind, plan):
     ref = _reference(kind)
     world = int(plan.split()[0].removeprefix("tp="))
@@ -120,7 +122,7 @@ def test_tensor_parallel_matches_the_unsplit_model(ranks, kind, plan):
     sharded = "split_gather" in plan
     assert results[0]["norm_tokens"] == ({SEQ // world} if sharded else set())
     vocab = ref["logits"].shape[-1]
-    split = 2 if "2d" in plan else world  # the vocabulary splits over the grid's q columns
+    split = 2 if "tp_mode" in plan else world  # the vocabulary splits over the q columns
     assert results[0]["widths"] == {-(-vocab // split)}, "causal_lm_loss gathered the logits"
 
 
