@@ -43,9 +43,10 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     heads, kv_heads = policy.attention_heads(model)
     if ctx.plan.tp_mode in ("2d", "2.5d"):
         found = find_module(model, layout.head) if layout.head else None
+        after = tuple(f[0] for f in (find_module(model, c) for c in layout.pipeline.after) if f)
         layouts, replaced, params, head = apply_grid_parallel(
             model, ctx, resolved, attention, blocks[0] if blocks else None,
-            found[0] if found else None)
+            found[0] if found else None, policy.model_config(model).get("hidden_size"), after)
     else:
         layouts, replaced, params, head = apply_tensor_parallel(
             model, ctx, resolved, attention, blocks[0] if blocks else None, heads, kv_heads)

@@ -42,6 +42,7 @@ from kernels_runtime.parallel.tensor.grid import (
     scatter_ids,
     split_features,
 )
+from kernels_runtime.parallel.tensor.layers import PartialGradModule
 from kernels_runtime.parallel.tensor.tensor_parallel import (
     layouts_for_aliases,
     modules_to_split,
@@ -76,9 +77,19 @@ def _is_rms_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and hasattr(module, "weight")
 
 
+def _chunk(full: torch.Tensor, dim: int, grid: Grid) -> tuple[torch.Tensor, ParamLayout]:
+    """Hidden chunk j along ``dim`` of a parameter every row and depth holds (a class token,
+    position table, patch projection), with its layout."""
+    width = full.shape[dim] // grid.side
+    local = full.narrow(dim, grid.j * width, width).contiguous()
+    offsets = tuple(grid.j * width if d == dim else 0 for d in range(full.dim()))
+    box = ParamLayout.box(tuple(full.shape), offsets, tuple(local.shape), frozenset({"tp"}))
+    return local, replace(box, replica=chunk_replica(grid))
+
+
 class _GridSwapper:
-    def __init__(self, model: nn.Module, grid: Grid) -> None:
-        self.model, self.grid = model, grid
+    def __init__(self, model: nn.Module, grid: Grid, hidden: int | None) -> None:
+        self.model, self.grid, self.hidden = model, grid, hidden
         self.layouts: dict[str, ParamLayout] = {}
         self.swapped: dict[int, nn.Parameter] = {}
         self._old: list[torch.Tensor] = []
@@ -132,27 +143,58 @@ class _GridSwapper:
             eps = getattr(old, "variance_epsilon", getattr(old, "eps", 1e-6))
             new, layouts = RMSNorm2D(weight, grid, eps), {"weight": w_layout}
         elif isinstance(old, nn.Embedding):
-            full = old.weight.detach()
-            width = full.shape[1] // grid.side
-            chunk = full[:, grid.j * width:(grid.j + 1) * width].contiguous()
-            new = ChunkEmbedding(chunk, grid)
-            box = ParamLayout.box(tuple(full.shape), (0, grid.j * width),
-                                  (full.shape[0], width), frozenset({"tp"}))
-            layouts = {"weight": replace(box, replica=chunk_replica(grid))}
+            chunk, layout = _chunk(old.weight.detach(), 1, grid)
+            new, layouts = ChunkEmbedding(chunk, grid), {"weight": layout}
+        elif isinstance(old, nn.Conv2d) and old.out_channels == self.hidden:
+            new, layouts = self._conv(old)
+        elif any(p.shape[-1] == self.hidden for p in old.parameters(recurse=False)):
+            new, layouts = self._own_parameters(old)  # ViT's class token and positions
         else:
             return
         self.put(path, old, new, layouts, "hidden chunk")
 
+    def _summed(self, module: nn.Module) -> nn.Module:
+        """Every row and depth sees other batch rows: gradients summed down the column and
+        over the depths."""
+        grid = self.grid
+        groups = (grid.col, grid.dep) if grid.dep is not None else (grid.col,)
+        return PartialGradModule(module, grid.comm, groups)
+
+    def _conv(self, old: nn.Conv2d) -> tuple[nn.Module, dict[str, ParamLayout]]:
+        """A patch projection keeping output channels (hidden features) chunk j."""
+        weight, w_layout = _chunk(old.weight.detach(), 0, self.grid)  # (h/q, c, p, p)
+        conv = nn.Conv2d(old.in_channels, weight.shape[0], old.kernel_size, old.stride,
+                         old.padding, old.dilation, old.groups, old.bias is not None,
+                         old.padding_mode)
+        layouts = {"weight": w_layout}
+        with torch.no_grad():
+            conv.weight.copy_(weight)
+            if old.bias is not None:
+                bias, layouts["bias"] = _chunk(old.bias.detach(), 0, self.grid)
+                conv.bias.copy_(bias)
+        return self._summed(conv), layouts
+
+    def _own_parameters(self, old: nn.Module) -> tuple[nn.Module, dict[str, ParamLayout]]:
+        """A module's own hidden-wide parameters cut to chunk j, in place."""
+        layouts = {}
+        for name, p in list(old.named_parameters(recurse=False)):
+            if p.shape[-1] == self.hidden:
+                local, layouts[name] = _chunk(p.detach(), p.dim() - 1, self.grid)
+                setattr(old, name, nn.Parameter(local))
+        return self._summed(old), layouts
+
 
 def apply_grid_parallel(model: nn.Module, ctx: ParallelContext, resolved: ResolvedLayout,
                         attention: AttentionSpec | None, blocks_path: str | None,
-                        head_path: str | None) -> tuple[dict[str, ParamLayout], list, dict,
-                                                        str | None]:
-    """Swap ``model``'s modules for grid ones (module docstring); returns the layouts, the
+                        head_path: str | None, hidden: int | None = None,
+                        after: tuple[str, ...] = (),
+                        ) -> tuple[dict[str, ParamLayout], list, dict, str | None]:
+    """Swap ``model``'s modules for grid ones (module docstring); ``after``: the paths of the
+    modules run after the blocks (the policy's pipeline glue). Returns the layouts, the
     replaced-module lines, the old-to-new parameter map and the grid LM head's path."""
     grid = Grid.of(ctx)
     same_random_state(ctx)
-    swapper = _GridSwapper(model, grid)
+    swapper = _GridSwapper(model, grid, hidden)
     by_module = modules_to_split(resolved)
     order = sorted((p for p in by_module if "weight" in by_module[p]),
                    key=lambda p: (by_module[p]["weight"].style != "vocab",
@@ -161,8 +203,16 @@ def apply_grid_parallel(model: nn.Module, ctx: ParallelContext, resolved: Resolv
         spec = by_module[path]["weight"]
         swapper.split(path, spec.style, spec.transposed, max(1, len(spec.fused)))
     split = set(by_module)
-    for spec in resolved.specs.values():
-        if spec.style == "replicated" and spec.module not in split:
+    body = blocks_path.rpartition(".")[0] if blocks_path else ""
+    grid_head = head_path in by_module if head_path else False
+
+    def joined(path: str) -> bool:  # runs on the joined (full) hidden states: stays whole
+        outside = bool(body) and not path.startswith(body + ".")
+        return not grid_head and outside and any(path == a or path.startswith(a + ".")
+                                                 for a in after)
+
+    for spec in sorted(resolved.specs.values(), key=lambda s: -s.module.count(".")):
+        if spec.style == "replicated" and spec.module not in split and not joined(spec.module):
             split.add(spec.module)
             swapper.replicated(spec.module)
     for module in model.modules():  # aliases of swapped parameters (none in these families)
@@ -186,14 +236,16 @@ def apply_grid_parallel(model: nn.Module, ctx: ParallelContext, resolved: Resolv
 
 def _cut_inputs_and_join_outputs(model: nn.Module, grid: Grid, head: str | None,
                                  blocks_path: str | None) -> None:
+    main = getattr(model, "main_input_name", "input_ids")
+
     def cut(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         kwargs = dict(kwargs)
         if args:
-            kwargs.setdefault("input_ids", args[0])
+            kwargs.setdefault(main, args[0])
             args = args[1:]
-        first = kwargs.get("input_ids")
+        first = kwargs.get(main)
         batch = first.shape[0] if isinstance(first, torch.Tensor) else None
-        for key in (*BATCH_KEYS, "position_ids"):
+        for key in (*BATCH_KEYS, main, "position_ids"):
             value = kwargs.get(key)
             if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch:
                 kwargs[key] = scatter_ids(value, grid)  # (b/q, s): this row's batch rows

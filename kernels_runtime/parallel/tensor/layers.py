@@ -193,23 +193,28 @@ class PartialGradModule(nn.Module):
     """A replicated module whose input differs across the tp group (a norm on sequence shards,
     a per-head norm on this rank's heads): each rank's gradient of its parameters covers only
     its part, so they enter through ``copy_to_group`` and the sum over tp is what every rank
-    accumulates. Its parameters move onto this wrapper under the same names (checkpoints and
-    state dicts do not change), and the wrapped module runs on them with ``functional_call``."""
+    accumulates. Its own parameters move onto this wrapper under the same names (checkpoints
+    and state dicts do not change) and its submodules are registered here too, so every path
+    stays; the wrapped module runs on them with ``functional_call``. ``group`` may be several
+    groups (a grid's column and depth), summed over in turn."""
 
     def __init__(self, inner: nn.Module, comm: Collectives, group) -> None:
         super().__init__()
-        if any(True for _ in inner.children() if any(True for _ in _.parameters())):
-            raise ValueError(f"{type(inner).__name__} has submodules with parameters; wrap "
-                             "those instead")
-        self.inner = (inner,)  # a tuple: not a submodule, so names stay the same
-        self.comm, self.group = comm, group
+        self.comm = comm
+        self.groups = tuple(group) if isinstance(group, (tuple, list)) else (group,)
+        for name, child in inner.named_children():
+            self.add_module(name, child)
         for name, p in list(inner.named_parameters(recurse=False)):
             del inner._parameters[name]
             self.register_parameter(name, p)
+        self.inner = (inner,)  # a tuple, set last: not a submodule, so names stay the same
 
     def forward(self, *args, **kwargs):
-        params = {n: copy_to_group(p, self.comm, self.group)
-                  for n, p in self.named_parameters(recurse=False)}
+        params = {}
+        for name, p in self.named_parameters(recurse=False):
+            for group in self.groups:
+                p = copy_to_group(p, self.comm, group)
+            params[name] = p
         return torch.func.functional_call(self.inner[0], params, args, kwargs)
 
     def __getattr__(self, name: str):

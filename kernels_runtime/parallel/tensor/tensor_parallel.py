@@ -234,6 +234,9 @@ def wrap_partial_modules(root: nn.Module, comm, group) -> list[str]:
         if not path or isinstance(module, TP_LAYERS) or not any(
                 True for _ in module.parameters(recurse=False)):
             continue
+        if any(any(True for _ in child.parameters()) for child in module.children()):
+            raise ValueError(f"{path} ({type(module).__name__}) holds parameters and submodules "
+                             "with parameters; its policy must name the parts")
         parent, name = parent_of(root, path)
         setattr(parent, name, PartialGradModule(module, comm, group))
         wrapped.append(path)

@@ -1,8 +1,9 @@
 """2D tensor parallelism (SUMMA on a 2 x 2 grid, tp=4) on HF models beyond the causal LMs of
 ``test_tensor_parallel.py``.
 
-What is protected: a BERT classifier with a padding mask under tp=4 tp_mode=2d gives the unsplit
-logits and every parameter's gradient (1e-5 relative L2, assembled through the layouts); a
+What is protected: a BERT classifier with a padding mask and a ViT classifier under tp=4
+tp_mode=2d and tp=8 tp_mode=2.5d tp_depth=2 give the unsplit logits and every parameter's
+gradient (1e-5 relative L2, assembled through the layouts); a
 checkpoint saved under 2D resumes under 1D tp=2 and on one rank with the uninterrupted run's
 losses (1e-6), GPT-2's embedding stored with its 50257 rows; a batch the grid's rows do not
 divide is a clear error on every rank.
@@ -10,6 +11,7 @@ divide is a clear error on every rank.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers.distributed import context
@@ -28,18 +30,36 @@ def _bert():
     return transformers.BertForSequenceClassification(config)
 
 
-def _bert_logits(model):
-    ids = torch.randint(0, 60, (4, 7), generator=torch.Generator().manual_seed(1))
+def _vit():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    intermediate_size=64, image_size=16, patch_size=8,
+                                    num_labels=3, hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0)
+    return transformers.ViTForImageClassification(config)
+
+
+def _logits(kind: str, model):
+    g = torch.Generator().manual_seed(1)
+    if kind == "vit":
+        return model(pixel_values=torch.randn(4, 3, 16, 16, generator=g)).logits
+    ids = torch.randint(0, 60, (4, 7), generator=g)
     mask = torch.ones_like(ids)
     mask[1, 5:] = 0  # padding
     return model(input_ids=ids, attention_mask=mask).logits
 
 
-def _bert_split(rank: int, world: int) -> dict:
+def _build(kind: str):
+    return _vit() if kind == "vit" else _bert()
+
+
+def _split(rank: int, world: int, kind: str, plan: str) -> dict:
     from kernels_runtime import parallelize_model
 
-    model = parallelize_model(_bert(), ctx=context(PLAN), verbose=False)
-    out = _bert_logits(model)
+    model = parallelize_model(_build(kind), ctx=context(plan), verbose=False)
+    out = _logits(kind, model)
     (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
     state, placed = model.parallel_state, {}
     for name, p in model.named_parameters():
@@ -49,11 +69,16 @@ def _bert_split(rank: int, world: int) -> dict:
     return {"out": out.detach(), "placed": placed, "replaced": state.replaced}
 
 
-def test_a_bert_classifier_on_the_grid_matches_the_unsplit_model(ranks):
-    model = _bert()
-    want = _bert_logits(model)
+@pytest.mark.parametrize("kind, plan", [
+    ("bert", PLAN), ("vit", PLAN),
+    pytest.param("bert", "tp=8 tp_mode=2.5d tp_depth=2", marks=pytest.mark.slow),
+    pytest.param("vit", "tp=8 tp_mode=2.5d tp_depth=2", marks=pytest.mark.slow)])
+def test_classifiers_on_the_grid_match_the_unsplit_model(ranks, kind, plan):
+    model = _build(kind)
+    want = _logits(kind, model)
     (want * torch.linspace(-1, 1, want.numel()).reshape(want.shape)).sum().backward()
-    results = ranks(4).run(_bert_split, timeout_s=300)
+    world = int(plan.split()[0].removeprefix("tp="))
+    results = ranks(world).run(_split, kind, plan, timeout_s=300)
     for result in results:
         torch.testing.assert_close(result["out"], want.detach(), rtol=1e-5, atol=1e-6)
         assert any("Linear2D" in what for _, what in result["replaced"])
