@@ -1,12 +1,14 @@
-"""2D tensor parallelism (SUMMA on a 2 x 2 grid, tp=4) on HF models beyond the causal LMs of
-``test_tensor_parallel.py``.
+"""2D (SUMMA on a 2 x 2 grid, tp=4) and 2.5D (two such grids, tp=8) tensor parallelism on HF
+models, beyond the causal-LM parity of ``test_tensor_parallel.py``.
 
 What is protected: a BERT classifier with a padding mask and a ViT classifier under tp=4
 tp_mode=2d and tp=8 tp_mode=2.5d tp_depth=2 give the unsplit logits and every parameter's
-gradient (1e-5 relative L2, assembled through the layouts); a
-checkpoint saved under 2D resumes under 1D tp=2 and on one rank with the uninterrupted run's
-losses (1e-6), GPT-2's embedding stored with its 50257 rows; a batch the grid's rows do not
-divide is a clear error on every rank.
+gradient (1e-5 relative L2, assembled through the layouts); a checkpoint saved under 2D resumes
+under 1D tp=2 and on one rank with the uninterrupted run's losses (1e-6), GPT-2's embedding
+stored with its 50257 rows (also saved under 2.5D); a LLaMA saved with ``save_pretrained`` and
+loaded with ``from_pretrained`` splits on the grid with the unsplit logits; tp=4 2d with
+activation checkpointing, dp=2 x tp=4 2d with zero 1 and 3 and 2.5D tp=8 train with clipping
+like one process (1e-5); a batch the grid's rows do not divide is a clear error on every rank.
 """
 
 from __future__ import annotations
@@ -123,14 +125,111 @@ def _train(rank: int, world: int, root: str, plan: str, save_at: int | None) -> 
     return losses
 
 
-def test_a_grid_checkpoint_resumes_under_1d_and_on_one_rank(ranks, tmp_path):
+@pytest.mark.parametrize("saved, world", [
+    (PLAN, 4), pytest.param("tp=8 tp_mode=2.5d tp_depth=2", 8, marks=pytest.mark.slow)])
+def test_a_grid_checkpoint_resumes_under_1d_and_on_one_rank(ranks, tmp_path, saved, world):
     import json
 
     root = str(tmp_path / "ckpt")
-    uninterrupted = ranks(4).run(_train, root, PLAN, 3, timeout_s=300)[0]
+    uninterrupted = ranks(world).run(_train, root, saved, 3, timeout_s=300)[0]
     meta = json.loads((tmp_path / "ckpt" / "step-00000003" / "meta.json").read_text())
     assert meta["params"]["transformer.wte.weight"]["shape"] == [50257, 32]
     for plan, world in (("tp=2", 2), ("dp=1", 1)):
         resumed = ranks(world).run(_train, root, plan, None, timeout_s=300)[0]
         rel = max(abs(a - b) / abs(b) for a, b in zip(resumed, uninterrupted[3:]))
         assert rel < 1e-6, (plan, resumed, uninterrupted[3:])
+
+
+def _llama():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=96, max_position_embeddings=8)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _tokens(step: int) -> torch.Tensor:
+    return torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(step))
+
+
+def _llama_reference() -> list[float]:
+    model = _llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(10):
+        ids = _tokens(step)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _composed(rank: int, world: int, plan: str) -> list[float]:
+    from kernels_runtime import parallelize, train_step
+
+    ctx = context(plan)
+    model = _llama()
+    model, opt = parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), ctx=ctx,
+                             max_grad_norm=0.5, verbose=False)
+    losses = []
+    for step in range(10):
+        mine = _tokens(step)[ctx.dp_rank::ctx.dp_size]
+        losses.append(train_step(model, opt, [(mine, mine)]).loss)
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan, world", [("tp=4 tp_mode=2d ckpt", 4),
+                                         ("dp=2 tp=4 tp_mode=2d zero=1", 8),
+                                         ("dp=2 tp=4 tp_mode=2d zero=3", 8),
+                                         ("tp=8 tp_mode=2.5d tp_depth=2 ckpt", 8)])
+def test_the_grid_composes_with_data_parallelism_checkpointing_and_clipping(ranks, plan, world):
+    """Clipping at 0.5 acts every step, so the global norm must count each grid block, each
+    column-replicated chunk and each depth copy once."""
+    ref = _llama_reference()
+    for losses in ranks(world).run(_composed, plan, timeout_s=300):
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
+        assert rel < 1e-5, (plan, losses, ref)
+
+
+def _odd_batch(rank: int, world: int) -> str:
+    from kernels_runtime import parallelize_model
+
+    model = parallelize_model(_llama(), ctx=context(PLAN), verbose=False)
+    try:
+        model(input_ids=torch.randint(0, 96, (3, 8)))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_batch_the_grid_rows_do_not_divide_is_refused(ranks):
+    for message in ranks(4).run(_odd_batch, timeout_s=120):
+        assert "batch of 3 does not split into the grid's 2 row blocks" in message, message
+        assert "a multiple of 2" in message
+
+
+def _pretrained(rank: int, world: int, folder: str, plan: str) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    from kernels_runtime import parallelize_model
+
+    model = parallelize_model(AutoModelForCausalLM.from_pretrained(folder), ctx=context(plan),
+                              verbose=False)
+    with torch.no_grad():
+        return model(input_ids=_tokens(0)).logits
+
+
+def test_a_model_from_pretrained_splits_on_the_grid_with_the_same_outputs(ranks, tmp_path):
+    folder = str(tmp_path / "llama")
+    model = _llama()
+    model.save_pretrained(folder)
+    with torch.no_grad():
+        want = model(input_ids=_tokens(0)).logits
+    for got in ranks(4).run(_pretrained, folder, PLAN, timeout_s=300):
+        assert (got - want).abs().max() < 1e-5

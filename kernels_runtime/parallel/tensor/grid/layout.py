@@ -22,7 +22,8 @@ BATCH_DIM = 0
 def _check_batch(batch: int, grid: Grid) -> None:
     if batch % grid.batch_chunks:
         raise ValueError(f"batch of {batch} does not split into the grid's {grid.batch_chunks} "
-                         f"row blocks (d*q = {grid.depth}*{grid.side})")
+                         f"row blocks (d*q = {grid.depth}*{grid.side}); give each data-"
+                         f"parallel rank a batch that is a multiple of {grid.batch_chunks}")
 
 
 def scatter_hidden(x_full: torch.Tensor, grid: Grid) -> torch.Tensor:
