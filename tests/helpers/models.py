@@ -97,8 +97,10 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
             out[n] = t.clone()
             continue
         whole = torch.zeros(layout.shape, dtype=torch.float32, device=t.device)
-        for shard, where in layout.shards(n, ((0,) * t.dim(), tuple(t.shape))):
-            whole[tuple(slice(o, o + s) for o, s in zip(shard.offsets, shard.sizes))] = t[where]
+        if layout.replica[0] == 0:  # one copy of blocks that repeat inside tp (a 2D grid's)
+            for shard, where in layout.shards(n, ((0,) * t.dim(), tuple(t.shape))):
+                whole[tuple(slice(o, o + s) for o, s in zip(shard.offsets, shard.sizes))] = \
+                    t[where]
         state.ctx.comm.all_reduce(whole, group=state.ctx.group("tp"))
         out[n] = whole
     return out

@@ -180,7 +180,10 @@ class _GridSwapper:
         for name, p in list(old.named_parameters(recurse=False)):
             if p.shape[-1] == self.hidden:
                 local, layouts[name] = _chunk(p.detach(), p.dim() - 1, self.grid)
-                setattr(old, name, nn.Parameter(local))
+                new = nn.Parameter(local)
+                setattr(old, name, new)
+                self.swapped[id(p)] = new  # the user's optimizer holds the old one
+                self._old.append(p)
         return self._summed(old), layouts
 
 

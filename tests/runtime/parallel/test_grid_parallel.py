@@ -233,3 +233,42 @@ def test_a_model_from_pretrained_splits_on_the_grid_with_the_same_outputs(ranks,
         want = model(input_ids=_tokens(0)).logits
     for got in ranks(4).run(_pretrained, folder, PLAN, timeout_s=300):
         assert (got - want).abs().max() < 1e-5
+
+
+def _fit(out: torch.Tensor) -> torch.Tensor:
+    """A bounded training loss: the logits regressed onto a fixed pattern."""
+    return (out - torch.linspace(-1, 1, out.numel()).reshape(out.shape).sin()).pow(2).mean()
+
+
+def _steps(model, opt, kind: str, backward) -> list[float]:
+    losses = []
+    for _ in range(10):
+        loss = _fit(_logits(kind, model))
+        backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _trained(rank: int, world: int, kind: str, plan: str) -> list[float]:
+    from kernels_runtime import parallelize
+
+    model = _build(kind)
+    model, opt = parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             ctx=context(plan), verbose=False)
+    return _steps(model, opt, kind, opt.backward)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, plan", [("bert", PLAN), ("vit", PLAN),
+                                        ("vit", "tp=8 tp_mode=2.5d tp_depth=2")])
+def test_classifiers_on_the_grid_train_like_the_unsplit_model(ranks, kind, plan):
+    """Ten SGD steps through ``parallelize`` give the unsplit run's losses (1e-5)."""
+    model = _build(kind)
+    ref = _steps(model, torch.optim.SGD(model.parameters(), lr=0.1), kind,
+                 lambda loss: loss.backward())
+    world = int(plan.split()[0].removeprefix("tp="))
+    for losses in ranks(world).run(_trained, kind, plan, timeout_s=300):
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
+        assert rel < 1e-5, (kind, plan, losses, ref)

@@ -211,7 +211,7 @@ def _mixed(rank: int, world: int, kind: str, plan: str) -> tuple[list[float], di
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, plan, precision", [
     ("gpt2", "dp=2 tp=2 zero=1 bf16", "bf16"), ("llama", "dp=2 tp=2 zero=3 bf16", "bf16"),
-    ("llama", "dp=2 tp=2 zero=2", "fp32")])
+    ("llama", "dp=2 tp=2 zero=2", "fp32"), ("llama", "tp=4 tp_mode=2d bf16", "bf16")])
 def test_tensor_parallel_training_within_the_data_parallel_bounds(ranks, kind, plan, precision):
     """20 AdamW steps against the same single-process mixed-precision reference and bounds
     as the data-parallel parity tests (fp32: 1e-5, bf16: 2e-2 on losses and parameters)."""
