@@ -72,7 +72,7 @@ def _split(rank: int, world: int, kind: str, plan: str) -> dict:
 
 
 @pytest.mark.parametrize("kind, plan", [
-    ("bert", PLAN), ("vit", PLAN),
+    pytest.param("bert", PLAN, marks=pytest.mark.slow), ("vit", PLAN),
     pytest.param("bert", "tp=8 tp_mode=2.5d tp_depth=2", marks=pytest.mark.slow),
     pytest.param("vit", "tp=8 tp_mode=2.5d tp_depth=2", marks=pytest.mark.slow)])
 def test_classifiers_on_the_grid_match_the_unsplit_model(ranks, kind, plan):
@@ -126,7 +126,8 @@ def _train(rank: int, world: int, root: str, plan: str, save_at: int | None) -> 
 
 
 @pytest.mark.parametrize("saved, world", [
-    (PLAN, 4), pytest.param("tp=8 tp_mode=2.5d tp_depth=2", 8, marks=pytest.mark.slow)])
+    pytest.param(PLAN, 4, marks=pytest.mark.slow),
+    pytest.param("tp=8 tp_mode=2.5d tp_depth=2", 8, marks=pytest.mark.slow)])
 def test_a_grid_checkpoint_resumes_under_1d_and_on_one_rank(ranks, tmp_path, saved, world):
     import json
 

@@ -3,6 +3,7 @@ rank and before any collective (so no rank hangs), and the ranks stay usable aft
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers.distributed import context
@@ -61,6 +62,7 @@ def _refusal(rank: int, world: int, plan: str, heads: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_ulysses_needs_each_ranks_heads_to_divide_by_sp(ranks):
     plan = "tp=2 sp=2 sp_mode=all_to_all"
     assert ranks(4).run(_refusal, plan, 4, timeout_s=120)[0] == "no error"  # 1 head per rank
