@@ -263,6 +263,7 @@ def _trained(rank: int, world: int, kind: str, plan: str) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, plan", [("bert", PLAN), ("vit", PLAN),
+                                        ("bert", "tp=8 tp_mode=2.5d tp_depth=2"),
                                         ("vit", "tp=8 tp_mode=2.5d tp_depth=2")])
 def test_classifiers_on_the_grid_train_like_the_unsplit_model(ranks, kind, plan):
     """Ten SGD steps through ``parallelize`` give the unsplit run's losses (1e-5)."""
