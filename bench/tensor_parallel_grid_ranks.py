@@ -17,7 +17,13 @@ from torch import nn
 
 from bench.tensor_parallel_grid_formulas import GridShape
 from bench.tensor_parallel_meter import LayerMeter, LocalSavedActivations, wchar
-from bench.tensor_parallel_ranks import Variant, build_model, ours_forward, token_batch
+from bench.tensor_parallel_ranks import (
+    Variant,
+    build_model,
+    measure_step,
+    ours_forward,
+    token_batch,
+)
 
 PLANS = {"1D tp=4": "tp=4", "2D tp=4": "tp=4 tp_mode=2d",
          "1D tp=8": "tp=8", "2.5D tp=8": "tp=8 tp_mode=2.5d tp_depth=2"}
@@ -86,20 +92,7 @@ def count(rank: int, world: int, shape: GridShape, variants: tuple[str, ...],
 
 
 def _count_one(v: Variant, shape: GridShape) -> dict:
-    blocks = list(v.model.model.layers)
-    ids = token_batch(shape, 0)
-    v.backward(v.forward(v.model, ids))  # warm-up: lazy communicator and allocator set-up
-    with GridMeter(blocks, v.stats) as meter:
-        meter.mark()
-        loss = v.forward(v.model, ids)
-        meter.mark()
-        v.backward(loss)
-        meter.mark()
-    with LocalSavedActivations(blocks) as saved:
-        loss = v.forward(v.model, ids)
-    v.backward(loss)
-    return {"blocks": meter.blocks, "passes": meter.passes,
-            "saved": [saved.by_block[f"block{i}"] for i in range(len(blocks))],
+    return {**measure_step(v, token_batch(shape, 0), GridMeter),
             "params": local_param_bytes(v.model)}
 
 

@@ -177,10 +177,15 @@ def count(rank: int, world: int, shape: Shape, variants: tuple[str, ...] = VARIA
 
 
 def _count_one(v: Variant, shape: Shape) -> dict:
+    return measure_step(v, token_batch(shape, 0), LayerMeter)
+
+
+def measure_step(v: Any, ids: torch.Tensor, meter_class: type = LayerMeter) -> dict:
+    """One warm-up step, then one step metered per block and pass, then one step whose saved
+    activations are counted per block (shared with the grid benchmark's variants)."""
     blocks = list(v.model.model.layers)
-    ids = token_batch(shape, 0)
     v.backward(v.forward(v.model, ids))  # warm-up: lazy communicator and allocator set-up
-    with LayerMeter(blocks, v.stats) as meter:
+    with meter_class(blocks, v.stats) as meter:
         meter.mark()
         loss = v.forward(v.model, ids)
         meter.mark()
