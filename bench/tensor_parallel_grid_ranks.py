@@ -7,8 +7,6 @@ tp_row, tp_col, tp_dep) instead of "tp" alone; readings are {(op, group): (calls
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +20,7 @@ from bench.tensor_parallel_ranks import (
     build_model,
     measure_step,
     ours_forward,
+    time_variants,
     token_batch,
 )
 
@@ -116,20 +115,5 @@ def timed(rank: int, world: int, shape: GridShape, rounds: int, steps: int,
     """Per variant: its first step's loss (same weights, same batch) and each round's median
     step time; each round runs ``steps`` steps of every variant, the order rotating."""
     comm = _comm(comm_for)
-    made = {name: make_variant(name, shape, comm) for name in variants}
-    steps_of = {name: v.step for name, v in made.items() if not isinstance(v, str)}
-    first = {name: step(0) for name, step in steps_of.items()}
-    for step in steps_of.values():
-        step(1)  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in steps_of}
-    order = list(steps_of)
-    for r in range(rounds):
-        for name in order[r % len(order):] + order[:r % len(order)]:
-            per_step = []
-            for i in range(steps):
-                t0 = time.perf_counter()
-                steps_of[name](2 + r * steps + i)
-                per_step.append(time.perf_counter() - t0)
-            times[name].append(statistics.median(per_step))
-    return {"first_loss": first, "times": times,
-            "skipped": {name: v for name, v in made.items() if isinstance(v, str)}}
+    return time_variants({name: make_variant(name, shape, comm) for name in variants},
+                         rounds, steps)

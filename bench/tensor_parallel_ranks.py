@@ -206,7 +206,13 @@ def timed(rank: int, world: int, shape: Shape, rounds: int, steps: int,
     step time of each round; each round runs ``steps`` steps of every variant, in an order
     that rotates from round to round."""
     comm = _comm(comm_for)
-    made = {name: make_variant(name, shape, comm) for name in variants}
+    return time_variants({name: make_variant(name, shape, comm) for name in variants},
+                         rounds, steps)
+
+
+def time_variants(made: dict[str, Any], rounds: int, steps: int) -> dict:
+    """The rounds of ``timed`` over built variants (a name -> the reason it did not run, for
+    those that did not); shared with the grid benchmark."""
     steps_of = {name: v.step for name, v in made.items() if not isinstance(v, str)}
     first = {name: step(0) for name, step in steps_of.items()}
     for step in steps_of.values():
