@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from kernels_runtime.comm.accelerator import to_device
 from kernels_runtime.optim import BoostedOptimizer
 from kernels_runtime.telemetry import Telemetry
 
@@ -46,17 +47,3 @@ class SequentialSchedule:
                 optimizer.backward(loss / n)
             total += loss.detach().float()  # stays on the device: no host sync per micro-batch
         return total
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor on ``device`` (tuples, lists, named tuples and dicts kept):
-    data loaders yield host tensors, the model lives on the rank's GPU. A no-op on CPU ranks."""
-    if isinstance(batch, torch.Tensor):
-        return batch if batch.device == device else batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return type(batch)((k, to_device(v, device)) for k, v in batch.items())
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(to_device(v, device) for v in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch

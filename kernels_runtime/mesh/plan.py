@@ -16,7 +16,7 @@ from typing import Any
 TP_MODES = ("1d", "2d", "2.5d")
 SP_MODES = ("none", "split_gather", "all_to_all", "ring")
 PRECISIONS = ("fp32", "bf16", "fp16")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
 OFFLOADS = ("none", "auto", "static")
 AXES = ("dp", "pp", "sp", "tp")  # mesh axis order, outermost first
 
@@ -27,6 +27,7 @@ _ALIASES = {
     "ckpt": "activation_checkpointing",
     "checkpointing": "activation_checkpointing",
     "schedule": "pp_schedule",
+    "chunks": "pp_chunks",
     "depth": "tp_depth",
 }
 _FLAGS = {
@@ -58,6 +59,7 @@ class Plan:
     precision: str = "fp32"
     microbatches: int = 1
     pp_schedule: str = "1f1b"
+    pp_chunks: int = 1  # model chunks per pipeline rank: V of interleaved (>= 2); zbv uses 2
     activation_checkpointing: bool = False
 
     # ---- parsing ------------------------------------------------------------------------
@@ -125,7 +127,7 @@ def _convert(name: str, raw: str) -> Any:
         if low in ("0", "false", "off", "no"):
             return False
         raise PlanError(f"activation_checkpointing={raw!r}: use on or off")
-    if name in ("dp", "tp", "pp", "sp", "tp_depth", "zero_stage", "microbatches"):
+    if name in ("dp", "tp", "pp", "sp", "tp_depth", "zero_stage", "microbatches", "pp_chunks"):
         try:
             return int(raw)
         except ValueError:

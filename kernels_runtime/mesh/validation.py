@@ -42,7 +42,7 @@ def _config_value(config: Any, *names: str) -> int | None:
 def check_plan(plan: Plan, world_size: int, model_config: Any = None) -> Plan:
     if world_size < 1:
         raise PlanError(f"world_size={world_size}: start a pool with at least one rank")
-    for name in ("dp", "tp", "pp", "sp", "tp_depth", "microbatches"):
+    for name in ("dp", "tp", "pp", "sp", "tp_depth", "microbatches", "pp_chunks"):
         _positive(name, getattr(plan, name))
     _choice("tp_mode", plan.tp_mode, TP_MODES)
     _choice("sp_mode", plan.sp_mode, SP_MODES)
@@ -74,23 +74,45 @@ def check_plan(plan: Plan, world_size: int, model_config: Any = None) -> Plan:
         )
     if plan.zero_stage >= 2 and plan.pp > 1:
         raise PlanError(
-            f"zero={plan.zero_stage} with pp={plan.pp}: gradients are reused across microbatches "
-            "by the pipeline; use zero=0 or zero=1 with pipeline parallelism"
+            f"zero={plan.zero_stage} with pp={plan.pp}: a pipeline keeps every micro-batch's "
+            "gradients until the stage's last backward, so ZeRO-2 would reduce-scatter once per "
+            "micro-batch and ZeRO-3 gather every weight once per micro-batch forward and "
+            "backward, m times the traffic of zero=1 for no memory a stage needs; use zero=0 "
+            "or zero=1 with pipeline parallelism"
         )
-    if plan.pp > 1 and plan.microbatches < plan.pp:
-        raise PlanError(
-            f"microbatches={plan.microbatches} with pp={plan.pp}: the pipeline would idle; "
-            f"use at least microbatches={plan.pp}"
-        )
-    if plan.pp_schedule == "interleaved" and plan.pp > 1 and plan.microbatches % plan.pp:
-        raise PlanError(
-            f"pp_schedule=interleaved needs microbatches divisible by pp={plan.pp} "
-            f"(got {plan.microbatches})"
-        )
+    if plan.pp > 1:
+        _check_pipeline(plan)
     _check_sequence_mode(plan)
     if model_config is not None:
         _check_model(plan, model_config)
     return plan
+
+
+def pipeline_chunks(plan: Plan) -> int:
+    """Model chunks per pipeline rank: V under interleaved, 2 under zbv (its V shape), else 1."""
+    if plan.pp_schedule == "zbv":
+        return 2
+    return plan.pp_chunks if plan.pp_schedule == "interleaved" else 1
+
+
+def _check_pipeline(plan: Plan) -> None:
+    schedule, chunks, m, p = plan.pp_schedule, plan.pp_chunks, plan.microbatches, plan.pp
+    if schedule == "interleaved" and chunks < 2:
+        raise PlanError(f"pp_schedule=interleaved runs V >= 2 model chunks per rank; add "
+                        f"pp_chunks=2 (got pp_chunks={chunks})")
+    if schedule == "zbv" and chunks not in (1, 2):
+        raise PlanError(f"pp_schedule=zbv places exactly 2 chunks per rank (its V shape); "
+                        f"remove pp_chunks={chunks}")
+    if schedule in ("gpipe", "1f1b") and chunks != 1:
+        raise PlanError(f"pp_chunks={chunks} is for pp_schedule=interleaved; add it or "
+                        "remove pp_chunks")
+    if m < p:
+        raise PlanError(f"microbatches={m} with pp={p}: the pipeline would idle; use at least "
+                        f"microbatches={p} (4*pp keeps the 1F1B bubble under 20%)")
+    if schedule == "interleaved" and m % p:
+        raise PlanError(f"pp_schedule=interleaved runs micro-batches in rounds of pp={p}; "
+                        f"use microbatches a multiple of {p} (got {m}), e.g. "
+                        f"microbatches={(m // p + 1) * p}")
 
 
 def _check_sequence_mode(plan: Plan) -> None:
@@ -175,5 +197,9 @@ def _check_model(plan: Plan, config: Any) -> None:
             f"sp_mode=all_to_all splits the {heads} heads over sp={plan.sp}; "
             "choose sp dividing the head count or sp_mode=ring"
         )
-    if layers is not None and plan.pp > layers:
-        raise PlanError(f"pp={plan.pp} exceeds the model's {layers} layers; use pp <= {layers}")
+    stages = plan.pp * pipeline_chunks(plan)
+    if layers is not None and plan.pp > 1 and stages > layers:
+        what = f"pp={plan.pp}" if stages == plan.pp else \
+            f"pp={plan.pp} x {pipeline_chunks(plan)} chunks per rank"
+        raise PlanError(f"{what} needs at least {stages} blocks but the model has {layers}; "
+                        f"use fewer stages or chunks (pp*chunks <= {layers})")

@@ -39,6 +39,11 @@ class GradSync(ABC):
     def prepare_backward(self, sync: bool) -> None:  # noqa: B027 - optional hook
         """Called before each backward; ``sync=False`` inside ``no_sync()``."""
 
+    def reduce_now(self) -> None:
+        """Reduce every gradient accumulated so far and wait (a pipeline calls it once its
+        stage's backwards are all done, having run them without sync)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reduce on demand")
+
     @abstractmethod
     def finish(self) -> None:
         """Wait for every gradient reduction started in backward."""

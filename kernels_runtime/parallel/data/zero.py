@@ -199,6 +199,15 @@ class ZeroGradSync(GradSync):
             self._drain()
         self._ready = [0] * len(self.buckets)
 
+    def reduce_now(self) -> None:
+        """Start every bucket's reduction now and wait: the end of a pipeline stage's backwards,
+        which all ran inside ``no_sync`` (zero 0 and 1 only; a plan refuses zero 2 with pp)."""
+        previous, self._sync = self._sync, True
+        try:
+            self._end_of_backward()
+        finally:
+            self._sync = previous
+
     def _drain(self) -> None:
         pending, self._pending = self._pending, []
         for finish in pending:

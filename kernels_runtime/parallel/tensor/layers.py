@@ -70,7 +70,9 @@ def _enter(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
-    return x @ weight if transposed else x @ weight.t()
+    # F.linear and x @ W on the parameter itself: the ops a zero-bubble pipeline defers the
+    # weight gradient of (kernels_runtime.parallel.pipeline.weight_grad)
+    return x @ weight if transposed else nn.functional.linear(x, weight)
 
 
 class ColumnParallelLinear(nn.Module):

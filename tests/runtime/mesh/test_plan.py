@@ -34,7 +34,12 @@ INVALID = [
     ("tp=2 sp=2 sp_mode=split_gather", 4, None, "sp stays 1"),
     ("sp_mode=ring", 2, None, "but sp=1"),
     ("tp=4", 4, {"num_attention_heads": 6}, "6 attention heads"),
-    ("pp=4 mb=4", 4, {"n_layer": 2}, "exceeds the model's 2 layers"),
+    ("pp=4 mb=4", 4, {"n_layer": 2}, "needs at least 4 blocks but the model has 2"),
+    ("pp=2 mb=4 schedule=interleaved chunks=2", 2, {"n_layer": 3},
+     "2 chunks per rank needs at least 4 blocks"),
+    ("pp=2 mb=4 schedule=interleaved", 2, None, "add pp_chunks=2"),
+    ("pp=2 mb=4 chunks=2", 2, None, "pp_chunks=2 is for pp_schedule=interleaved"),
+    ("pp=2 mb=4 schedule=zbv chunks=3", 2, None, "exactly 2 chunks per rank"),
     ("sp=4 sp_mode=all_to_all", 4, {"n_head": 6}, "divisible|dividing"),
     ("dp=0", 2, None, "at least 1"),
     ("tp=4 tp_mode=2d", 4, {"num_attention_heads": 3}, "3 attention heads over the q=2 columns"),
@@ -42,7 +47,7 @@ INVALID = [
     ("tp=8 tp_mode=2.5d depth=2", 8, {"num_key_value_heads": 1, "num_attention_heads": 4},
      "1 key/value heads over the q=2 columns"),
     ("offload=nvme", 2, None, "offload='nvme'"),
-    ("pp=2 mb=3 schedule=interleaved", 2, None, "divisible by pp"),
+    ("pp=2 mb=3 schedule=interleaved chunks=2", 2, None, "use microbatches a multiple of 2"),
 ]
 
 

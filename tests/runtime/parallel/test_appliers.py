@@ -27,9 +27,9 @@ def _refusals(rank: int, world: int) -> dict:
     from kernels_runtime import PlanError, parallelize, parallelize_model
 
     out = {}
-    plans = {"pp": "pp=2 dp=2 microbatches=2",
+    plans = {"pp": "pp=2 sp=2 sp_mode=ring microbatches=2",
              "offload": "dp=4 offload=auto",
-             "several": "pp=2 dp=2 microbatches=2 offload=static"}
+             "several": "pp=2 sp=2 sp_mode=ring microbatches=2 offload=static"}
     for key, plan in plans.items():
         model = dm.make_model("gpt2")
         before = {n: (p.data_ptr(), p.dtype) for n, p in model.named_parameters()}
@@ -56,7 +56,7 @@ def _refusals(rank: int, world: int) -> dict:
 
 def test_refused_plans_leave_the_model_untouched(ranks):
     out = ranks(4).run(_refusals)[0]
-    for key, words in {"pp": "pipeline parallelism (pp=2)",
+    for key, words in {"pp": "sequence shards between pipeline stages",
                        "offload": "offload=auto"}.items():
         message, untouched = out[key]
         assert words in message and "not available yet" in message, message

@@ -1,0 +1,192 @@
+"""Running a schedule on one pipeline rank: ``PipelineRunner`` is the ``train_step`` schedule of
+a pipelined model.
+
+``train_step(model, optimizer, microbatches)`` is the same call on every rank: each rank runs
+its own actions of the schedule (``schedules.py``) on the micro-batches, in order. A forward
+receives its input from the previous stage (the first stage reads the micro-batch itself),
+runs the model's forward cut to the chunk (``stage.py``) and sends the output on; the last
+stage's forward is the objective's loss. A backward receives the output's gradient from the
+next stage (the last stage starts from its loss), runs autograd through the chunk and sends
+the input's gradient back. Under ``zbv`` a backward computes the input gradient only and the
+weight gradients wait for their ``W`` action (``weight_grad.py``).
+
+Gradients stay local until every backward of the step is done: then a tied embedding's
+gradient is summed over the first and last stage, and data parallelism reduces (the strategy's
+``reduce_now``). The loss is summed over the pipeline so every rank returns it.
+
+Each step leaves a timeline (which micro-batch each action ran, when, and how long the rank
+waited on a receive before it) in ``last_timeline`` and in the telemetry, for the dashboard's
+stage panel and ``bench pipeline``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernels_runtime.comm.accelerator import to_device
+from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.parallel.pipeline import weight_grad
+from kernels_runtime.parallel.pipeline.p2p import StageLinks
+from kernels_runtime.parallel.pipeline.schedules import Action, Schedule, build
+from kernels_runtime.parallel.pipeline.stage import StageBlocks, StageExit
+
+
+def _signature(batch: Any) -> tuple:
+    if isinstance(batch, torch.Tensor):
+        return (tuple(batch.shape),)
+    if isinstance(batch, dict):
+        return tuple((k, *_signature(v)) for k, v in batch.items())
+    if isinstance(batch, (tuple, list)):
+        return tuple(s for v in batch for s in _signature(v))
+    return ()
+
+
+class PipelineRunner:
+    def __init__(self, ctx: ParallelContext, blocks: StageBlocks, schedule_name: str,
+                 chunks: int, tied: list[nn.Parameter]) -> None:
+        self.ctx, self.blocks, self.name, self.chunks = ctx, blocks, schedule_name, chunks
+        self.tied = tied  # parameters whose gradient is summed over the embedding group
+        self.p, self.me = ctx.size("pp"), ctx.coord("pp")
+        self.pp_ranks = ctx.topology.group_of(ctx.rank, ("pp",))
+        self.headers: dict[tuple, tuple] = {}
+        self._schedules: dict[int, Schedule] = {}
+        self.last_timeline: dict[str, Any] = {}
+
+    def schedule_for(self, m: int) -> Schedule:
+        if m not in self._schedules:
+            if self.name == "interleaved" and m % self.p:
+                raise ValueError(f"pp_schedule=interleaved runs micro-batches in rounds of "
+                                 f"pp={self.p}; pass a multiple of {self.p} (got {m})")
+            self._schedules[m] = build(self.name, self.p, m, self.chunks)
+        return self._schedules[m]
+
+    # ---- the Schedule protocol of train_step ------------------------------------------------
+    def run(self, model: nn.Module, optimizer: Any, microbatches: Sequence[Any],
+            objective: Any, telemetry: Any) -> torch.Tensor:
+        m = len(microbatches)
+        schedule = self.schedule_for(m)
+        place = schedule.placement
+        device = self.ctx.device
+        batches = [to_device(b, device) for b in microbatches]
+        signatures = [_signature(b) for b in batches]
+        links = StageLinks(self.ctx.comm, self.ctx.group("pp"), self.pp_ranks, self.me,
+                           schedule, lambda i: signatures[i])
+        last = place.stages - 1
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        kept: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        deferred = weight_grad.DeferredGrads() if schedule.split_backward else None
+        events: list[dict[str, Any]] = []
+        start = time.perf_counter()
+        optimizer.sync.prepare_backward(False)
+        with optimizer.no_sync():
+            for action in schedule.orders[self.me]:
+                stage = place.stage(self.me, action.chunk)
+                began = time.perf_counter()
+                if action.kind == "F":
+                    incoming = None if stage == 0 else links.recv(
+                        ("act", stage, action.mb), place.owner(stage - 1)[0], self.headers,
+                        device)
+                    ready = time.perf_counter()
+                    with telemetry.compute():
+                        result = self._forward(model, objective, batches[action.mb], action,
+                                               incoming, stage == last, deferred)
+                    if stage == last:
+                        kept[(action.chunk, action.mb)] = (incoming, result)
+                        total += result.detach().float()
+                    else:
+                        kept[(action.chunk, action.mb)] = (incoming, result)
+                        links.send(("act", stage + 1, action.mb), place.owner(stage + 1)[0],
+                                   result, self.headers)
+                elif action.kind == "B":
+                    incoming, output = kept.pop((action.chunk, action.mb))
+                    grad = None if stage == last else links.recv(
+                        ("grad", stage, action.mb), place.owner(stage + 1)[0], self.headers,
+                        device)
+                    ready = time.perf_counter()
+                    with telemetry.compute():
+                        self._backward(optimizer, output, grad, m, stage == last, action,
+                                       deferred)
+                    if stage > 0:
+                        links.send(("grad", stage - 1, action.mb), place.owner(stage - 1)[0],
+                                   incoming.grad, self.headers)
+                else:
+                    ready = time.perf_counter()
+                    with telemetry.compute():
+                        deferred.run(action.chunk, action.mb)
+                done = time.perf_counter()
+                events.append({"kind": action.kind, "chunk": action.chunk, "mb": action.mb,
+                               "stage": stage, "start": began - start, "end": done - start,
+                               "wait": ready - began})
+            links.finish()
+        self._sum_tied()
+        optimizer.sync.reduce_now()
+        self.ctx.comm.all_reduce(total, group=self.ctx.group("pp"))
+        if deferred is not None and deferred.pending():
+            raise RuntimeError(f"{deferred.pending()} weight gradients were never computed; "
+                               "the zbv schedule lost a W action (a bug)")
+        self._record(events, time.perf_counter() - start, links.bytes_sent, telemetry,
+                     deferred.ran if deferred is not None else 0)
+        return total
+
+    def _forward(self, model: nn.Module, objective: Any, batch: Any, action: Action,
+                 incoming: torch.Tensor | None, is_last: bool,
+                 deferred: weight_grad.DeferredGrads | None) -> torch.Tensor:
+        if incoming is not None and incoming.is_floating_point():
+            incoming.requires_grad_()
+        context = deferred.recording(action.chunk, action.mb) if deferred is not None \
+            else _nothing()
+        with self.blocks.running(action.chunk, incoming, exits=not is_last), context:
+            try:
+                loss = objective(model, batch)
+            except StageExit as stop:
+                return stop.output
+        if not is_last:
+            raise RuntimeError("the model's forward returned before its last block on this "
+                               "pipeline stage; does the model skip blocks?")
+        return loss
+
+    def _backward(self, optimizer: Any, output: torch.Tensor, grad: torch.Tensor | None,
+                  m: int, is_last: bool, action: Action,
+                  deferred: weight_grad.DeferredGrads | None) -> None:
+        context = deferred.deferring(action.chunk, action.mb) if deferred is not None \
+            else _nothing()
+        with context:
+            if is_last:
+                optimizer.backward(output / m)
+            else:
+                torch.autograd.backward(output, grad)
+
+    def _sum_tied(self) -> None:
+        if not self.tied:
+            return
+        group = self.ctx.group("embedding")
+        for p in self.tied:
+            if p.grad is not None:
+                self.ctx.comm.all_reduce(p.grad, group=group)
+
+    def _record(self, events: list[dict[str, Any]], seconds: float, nbytes: int,
+                telemetry: Any, deferred: int) -> None:
+        waited = sum(e["wait"] for e in events)
+        self.last_timeline = {
+            "schedule": self.name, "stage": self.me, "stages": self.p, "chunks": self.chunks,
+            "microbatches": 1 + max((e["mb"] for e in events), default=-1),
+            "step_seconds": seconds, "waited_seconds": waited,
+            "bubble": waited / seconds if seconds > 0 else 0.0, "p2p_bytes": nbytes,
+            "deferred_weight_grads": deferred,
+            "events": events}
+        record = getattr(telemetry, "record_pipeline", None)
+        if record is not None:
+            record(self.last_timeline)
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
