@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels_runtime.api.interrupts import interrupt_after
 from kernels_runtime.api.objective import causal_lm_loss
 from kernels_runtime.api.schedule import LossFn, Schedule, SequentialSchedule
 from kernels_runtime.optim import BoostedOptimizer
@@ -58,7 +59,7 @@ def train_step(
     flops = telemetry.model_flops(model, tokens, seq_len)
     with telemetry.step(tokens=tokens, samples=samples, flops=flops):
         total = schedule.run(model, optimizer, microbatches, loss_fn, telemetry)
-        with telemetry.compute():
+        with telemetry.compute(), interrupt_after():  # a step is applied whole or not at all
             stepped = optimizer.step()
         mean = total / n
         ctx.comm.all_reduce(mean, group=ctx.dp_group)

@@ -149,7 +149,8 @@ def check_parameters(meta: dict[str, Any], model: nn.Module, strict: bool, where
     mismatched = [f"{n}: checkpoint {saved[n]}, model {shapes[n]}"
                   for n in sorted(saved.keys() & shapes.keys()) if saved[n] != shapes[n]]
     missing = sorted(n for n, p in params.items() if p.requires_grad and n not in saved)
-    unexpected = sorted(saved.keys() - shapes.keys())
+    elsewhere = state.elsewhere if state is not None else set()  # other pipeline stages'
+    unexpected = sorted(saved.keys() - shapes.keys() - elsewhere)
     problems = []
     if mismatched:
         problems.append("shape mismatch: " + "; ".join(mismatched))

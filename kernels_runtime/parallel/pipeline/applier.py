@@ -99,6 +99,7 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     first, last = 0 in mine, place.stages - 1 in mine
     tied = tied_across(model, before, after)
     params_before = {id(p): p for p in model.parameters()}
+    names_before = {n for n, _ in model.named_parameters()}
     container = model.get_submodule(container_path) if container_path else model
     stage_blocks = StageBlocks(container, [list(ranges[v]) for v in mine])
     if not first:
@@ -113,6 +114,7 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
         state.layouts[name] = replace(layout, sharded=layout.sharded | {"pp"},
                                       replica=(0 if first else 1, 2) if shared else layout.replica)
     held = {id(p) for p in model.parameters()}
+    state.elsewhere = names_before - {n for n, _ in model.named_parameters()}
     if state.optimizer is not None:  # it is rebuilt over this stage's parameters only
         for group in state.optimizer.param_groups:
             group["params"] = [p for p in group["params"]

@@ -56,6 +56,24 @@ class PipelineRunner:
         self.headers: dict[tuple, tuple] = {}
         self._schedules: dict[int, Schedule] = {}
         self.last_timeline: dict[str, Any] = {}
+        self.steps = 0  # steps completed (the same on every stage: each ends in a collective)
+
+    def run(self, model: nn.Module, optimizer: Any, microbatches: Sequence[Any],
+            objective: Any, telemetry: Any) -> torch.Tensor:
+        """Every action of this rank for one step (see the module docstring); an error raised
+        inside an action is noted with the stage, action and step it came from."""
+        self.current: tuple[Action, int] | None = None
+        try:
+            total = self._run(model, optimizer, microbatches, objective, telemetry)
+        except Exception as err:
+            if self.current is not None:
+                action, stage = self.current
+                err.add_note(f"[pipeline] raised on pipeline stage {stage} (rank "
+                             f"{self.ctx.rank}, pp {self.me}/{self.p}) in {action.kind} of "
+                             f"micro-batch {action.mb}, step {self.steps}")
+            raise
+        self.steps += 1
+        return total
 
     def schedule_for(self, m: int) -> Schedule:
         if m not in self._schedules:
@@ -65,9 +83,8 @@ class PipelineRunner:
             self._schedules[m] = build(self.name, self.p, m, self.chunks)
         return self._schedules[m]
 
-    # ---- the Schedule protocol of train_step ------------------------------------------------
-    def run(self, model: nn.Module, optimizer: Any, microbatches: Sequence[Any],
-            objective: Any, telemetry: Any) -> torch.Tensor:
+    def _run(self, model: nn.Module, optimizer: Any, microbatches: Sequence[Any],
+             objective: Any, telemetry: Any) -> torch.Tensor:
         m = len(microbatches)
         schedule = self.schedule_for(m)
         place = schedule.placement
@@ -87,6 +104,7 @@ class PipelineRunner:
             for action in schedule.orders[self.me]:
                 stage = place.stage(self.me, action.chunk)
                 began = time.perf_counter()
+                self.current = (action, stage)
                 if action.kind == "F":
                     incoming = None if stage == 0 else links.recv(
                         ("act", stage, action.mb), place.owner(stage - 1)[0], self.headers,
@@ -125,6 +143,7 @@ class PipelineRunner:
             links.finish()
         self._sum_tied()
         optimizer.sync.reduce_now()
+        self.current = None
         self.ctx.comm.all_reduce(total, group=self.ctx.group("pp"))
         if deferred is not None and deferred.pending():
             raise RuntimeError(f"{deferred.pending()} weight gradients were never computed; "

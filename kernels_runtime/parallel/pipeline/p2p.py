@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels_runtime.comm import Collectives
+from kernels_runtime.comm import Collectives, CollectiveTimeoutError
 from kernels_runtime.comm.pending import PendingOp
 from kernels_runtime.parallel.pipeline.schedules import Schedule
 
@@ -102,7 +102,14 @@ class StageLinks:
             buffer = torch.empty(shape, dtype=dtype, device=device)
             self.posted[nxt] = (self.comm.irecv(buffer, self.ranks[peer], self.group), buffer)
         op, buffer = self.posted.pop(message)
-        op.wait()
+        try:
+            op.wait()
+        except CollectiveTimeoutError as err:
+            what = "activation" if message[0] == "act" else "gradient"
+            raise CollectiveTimeoutError(err.op, err.group, err.timeout_s, (
+                f"pipeline rank {self.me} waited for the {what} of micro-batch {message[2]} "
+                f"from pipeline rank {peer} (global rank {self.ranks[peer]}), which raised, "
+                f"died or is stuck: its own error names the cause. {err.cause}")) from err
         return buffer
 
     def finish(self) -> None:
