@@ -67,3 +67,39 @@ def test_interrupt_during_sleep_reaches_notebook_and_pool_stays_usable(kernel):
     )
     assert "[rank 0] after interrupt 3.0" in ok.text
     assert "[rank 1] after interrupt 3.0" in ok.text
+
+
+PIPELINE_CELL = """%%colossal --plan "pp=2 mb=4"
+import time, torch
+from torch import nn
+from kernels_runtime import parallelize, train_step
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+model, opt = parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), plan, verbose=False)
+def slow_loss(model, batch):
+    time.sleep(0.1)  # a step lasts ~1 s, so the interrupt lands inside one
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
+x, y = torch.randn(8, 4), torch.randn(8, 1)
+for _ in range(1000):
+    train_step(model, opt, list(zip(x.chunk(4), y.chunk(4))), slow_loss)
+"""
+
+
+def test_interrupt_during_a_pipeline_step_stops_every_stage_at_the_same_step(kernel):
+    msg_id = kernel.submit(PIPELINE_CELL)
+    time.sleep(6.0)  # parallelized and a few steps in
+    kernel.interrupt()
+    reply = kernel.collect(msg_id, timeout_s=60)
+    assert reply.status == "error" and reply.ename == "KeyboardInterrupt", reply.evalue
+
+    steps = kernel.run_ok(
+        "%%colossal --output all\n"
+        "print('stopped at', model.parallel_state.schedule.steps, "
+        "[p.detach().sum().item() for p in model.parameters()][:1])")
+    lines = [line for line in steps.text.splitlines() if "stopped at" in line]
+    assert len(lines) == 2, steps.text
+    counts = {line.split("stopped at")[1].split("[")[0].strip() for line in lines}
+    assert len(counts) == 1 and int(counts.pop()) > 0, steps.text
+    again = kernel.run_ok(PIPELINE_CELL.replace("range(1000)", "range(2)")
+                          + "print('trained again', rank)\n")
+    assert "trained again 0" in again.text
