@@ -68,12 +68,6 @@ def check(state: ParallelState, model: nn.Module) -> str | None:
     plan = state.ctx.plan
     if plan.pp == 1:
         return None
-    if plan.sp > 1:
-        return (f"pp={plan.pp} with sp={plan.sp} ({plan.sp_mode}): sequence shards between "
-                "pipeline stages are not available yet; use pp with tp and dp, or sp without pp")
-    if plan.tp_mode != "1d":
-        return (f"pp={plan.pp} with tp_mode={plan.tp_mode}: grid-parallel stages are not "
-                "available yet; use tp_mode=1d with pipelines")
     found = _split_points(state, model)
     if isinstance(found, str):
         return found

@@ -1,15 +1,16 @@
 """Pipeline parallelism on HF models against the unsplit model in one process.
 
 What is protected: tiny HF GPT-2 (tied input/output embedding, learned positions) and LLaMA
-(rotary positions, grouped key/value heads) trained for 20 steps of SGD on 4
-micro-batches under pp=2 and pp=4 with every schedule (gpipe, 1f1b, interleaved with 2 chunks
-per rank, zbv with its weight gradients deferred to W actions, counted) give the one-process
-run's losses (1e-5 relative), and every parameter after training, assembled from the stage
-that holds it, within 1e-5 relative L2. GPT-2's tied embedding is bit-identical on the first
-and the last stage after training. pp composes with dp (zero 0 and 1) and 1D tp on 4 ranks,
-and with both on 8. (Plain SGD: Adam turns the near-zero noise of GPT-2's key-bias gradients
-into full-size steps, and momentum grows tensor parallelism's rounding past 1e-5 in 20 steps
-with or without a pipeline, so either would measure rounding, not the pipeline.)
+(rotary positions, grouped key/value heads) trained for 20 steps of SGD on 4 micro-batches
+under pp=2 and pp=4 with every schedule (gpipe, 1f1b, interleaved with 2 chunks per rank, zbv
+with its weight gradients deferred to W actions, counted) give the one-process run's losses
+(1e-5 relative), and every parameter after training, assembled from the stage that holds it,
+within 1e-5 relative L2. GPT-2's tied embedding is bit-identical on the first and the last
+stage after training. pp composes with dp (zero 0 and 1), 1D tp and sp (ring, all_to_all) on
+4 ranks; dp x pp x tp and pp x 2D tp (SUMMA grid) run on 8. (Plain SGD: Adam turns the
+near-zero noise of GPT-2's key-bias gradients into full-size steps, and momentum grows tensor
+parallelism's rounding past 1e-5 in 20 steps with or without a pipeline, so either would
+measure rounding, not the pipeline.)
 """
 
 from __future__ import annotations
@@ -132,16 +133,20 @@ def test_four_stages_match_one_process(ranks, kind, schedule):
     _check(results, _reference(kind, 8))
 
 
-@pytest.mark.parametrize("kind, rest", [
-    ("gpt2", "tp=2"), ("llama", "tp=2"), ("gpt2", "dp=2"), ("llama", "dp=2 zero=1")])
-def test_pipelines_compose_with_tensor_and_data_parallelism(ranks, kind, rest):
-    results = ranks(4).run(_pipelined, kind, _plan(2, "1f1b", rest), timeout_s=300)
+@pytest.mark.parametrize("kind, schedule, rest", [
+    ("gpt2", "1f1b", "tp=2"), ("llama", "1f1b", "tp=2"), ("gpt2", "1f1b", "dp=2"),
+    ("llama", "1f1b", "dp=2 zero=1"), ("gpt2", "1f1b", "sp=2 sp_mode=ring"),
+    ("llama", "zbv", "sp=2 sp_mode=all_to_all")])
+def test_pipelines_compose_with_tensor_data_and_sequence_parallelism(ranks, kind, schedule,
+                                                                     rest):
+    results = ranks(4).run(_pipelined, kind, _plan(2, schedule, rest), timeout_s=300)
     _check(results, _reference(kind))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, schedule, zero", [("gpt2", "1f1b", 1), ("llama", "zbv", 0)])
-def test_data_pipeline_and_tensor_parallelism_on_eight_ranks(ranks, kind, schedule, zero):
-    results = ranks(8).run(_pipelined, kind, _plan(2, schedule, f"dp=2 tp=2 zero={zero}"),
-                           timeout_s=300)
+@pytest.mark.parametrize("kind, schedule, rest", [
+    ("gpt2", "1f1b", "dp=2 tp=2 zero=1"), ("llama", "zbv", "dp=2 tp=2"),
+    ("llama", "1f1b", "tp=4 tp_mode=2d"), ("gpt2", "interleaved", "tp=4 tp_mode=2d")])
+def test_pipelines_on_eight_ranks(ranks, kind, schedule, rest):
+    results = ranks(8).run(_pipelined, kind, _plan(2, schedule, rest), timeout_s=300)
     _check(results, _reference(kind))
