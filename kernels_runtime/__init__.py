@@ -21,6 +21,7 @@ _PUBLIC = {
     "parallelize": "kernels_runtime.api",
     "parallelize_model": "kernels_runtime.api",
     "train_step": "kernels_runtime.api",
+    "eval_step": "kernels_runtime.api",
     "causal_lm_loss": "kernels_runtime.api",
     "Objective": "kernels_runtime.api",
     "StepResult": "kernels_runtime.api",

@@ -20,7 +20,7 @@ from torch import nn
 
 from kernels_runtime.api.interrupts import interrupt_after
 from kernels_runtime.api.objective import causal_lm_loss
-from kernels_runtime.api.schedule import LossFn, Schedule, SequentialSchedule
+from kernels_runtime.api.schedule import LossFn, Schedule, SequentialSchedule, to_device
 from kernels_runtime.optim import BoostedOptimizer
 from kernels_runtime.parallel.state import parallel_state
 
@@ -65,6 +65,33 @@ def train_step(
         ctx.comm.all_reduce(mean, group=ctx.dp_group)
         loss_value = mean.item() / ctx.dp_size
     return StepResult(loss_value, stepped, optimizer.last_grad_norm)
+
+
+def eval_step(model: nn.Module, microbatches: Sequence[Any],
+              loss_fn: LossFn = causal_lm_loss) -> float:
+    """The mean loss over the micro-batches and data-parallel ranks, without gradients.
+
+    The same call on every rank under any plan, as ``train_step``: a pipeline runs its
+    forward-only schedule (each stage its chunks, the loss on the last stage, summed to every
+    rank); otherwise the micro-batches run in sequence. For a model from ``parallelize`` or
+    ``parallelize_model``."""
+    state = parallel_state(model)
+    if state is None:
+        raise ValueError("eval_step takes a model returned by parallelize or parallelize_model; "
+                         "for a plain model call loss_fn(model, batch) under torch.no_grad()")
+    if not microbatches:
+        raise ValueError("eval_step needs at least one micro-batch")
+    ctx = state.ctx.fold_sp()
+    if state.schedule is not None:
+        total = state.schedule.evaluate(model, microbatches, loss_fn, ctx.telemetry)
+    else:
+        total = torch.zeros((), dtype=torch.float32, device=ctx.device)
+        with torch.no_grad():
+            for batch in microbatches:
+                total += loss_fn(model, to_device(batch, ctx.device)).detach().float()
+    mean = total / len(microbatches)
+    ctx.comm.all_reduce(mean, group=ctx.dp_group)
+    return mean.item() / ctx.dp_size
 
 
 def _count(microbatches: Sequence[Any]) -> tuple[int, int, int | None]:

@@ -32,7 +32,7 @@ from kernels_runtime.comm.accelerator import to_device
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.parallel.pipeline import weight_grad
 from kernels_runtime.parallel.pipeline.p2p import StageLinks
-from kernels_runtime.parallel.pipeline.schedules import Action, Schedule, build
+from kernels_runtime.parallel.pipeline.schedules import Action, Schedule, build, forward_only
 from kernels_runtime.parallel.pipeline.stage import StageBlocks, StageExit
 
 
@@ -62,9 +62,23 @@ class PipelineRunner:
             objective: Any, telemetry: Any) -> torch.Tensor:
         """Every action of this rank for one step (see the module docstring); an error raised
         inside an action is noted with the stage, action and step it came from."""
+        return self._guarded(model, optimizer, microbatches, objective, telemetry,
+                             self.schedule_for(len(microbatches)))
+
+    def evaluate(self, model: nn.Module, microbatches: Sequence[Any], objective: Any,
+                 telemetry: Any) -> torch.Tensor:
+        """The ``forward_only`` schedule without gradients: the summed loss (or whatever the
+        objective returns on the last stage, a scalar) of every micro-batch, on every rank."""
+        schedule = forward_only(self.p, len(microbatches), self.chunks,
+                                v_shape=self.name == "zbv")
+        with torch.no_grad():
+            return self._guarded(model, None, microbatches, objective, telemetry, schedule)
+
+    def _guarded(self, model: nn.Module, optimizer: Any, microbatches: Sequence[Any],
+                 objective: Any, telemetry: Any, schedule: Schedule) -> torch.Tensor:
         self.current: tuple[Action, int] | None = None
         try:
-            total = self._run(model, optimizer, microbatches, objective, telemetry)
+            total = self._run(model, optimizer, microbatches, objective, telemetry, schedule)
         except Exception as err:
             if self.current is not None:
                 action, stage = self.current
@@ -72,7 +86,7 @@ class PipelineRunner:
                              f"{self.ctx.rank}, pp {self.me}/{self.p}) in {action.kind} of "
                              f"micro-batch {action.mb}, step {self.steps}")
             raise
-        self.steps += 1
+        self.steps += optimizer is not None
         return total
 
     def schedule_for(self, m: int) -> Schedule:
@@ -84,9 +98,8 @@ class PipelineRunner:
         return self._schedules[m]
 
     def _run(self, model: nn.Module, optimizer: Any, microbatches: Sequence[Any],
-             objective: Any, telemetry: Any) -> torch.Tensor:
+             objective: Any, telemetry: Any, schedule: Schedule) -> torch.Tensor:
         m = len(microbatches)
-        schedule = self.schedule_for(m)
         place = schedule.placement
         device = self.ctx.device
         batches = [to_device(b, device) for b in microbatches]
@@ -99,8 +112,10 @@ class PipelineRunner:
         deferred = weight_grad.DeferredGrads() if schedule.split_backward else None
         events: list[dict[str, Any]] = []
         start = time.perf_counter()
-        optimizer.sync.prepare_backward(False)
-        with optimizer.no_sync():
+        training = optimizer is not None
+        if training:
+            optimizer.sync.prepare_backward(False)
+        with optimizer.no_sync() if training else _nothing():
             for action in schedule.orders[self.me]:
                 stage = place.stage(self.me, action.chunk)
                 began = time.perf_counter()
@@ -113,11 +128,11 @@ class PipelineRunner:
                     with telemetry.compute():
                         result = self._forward(model, objective, batches[action.mb], action,
                                                incoming, stage == last, deferred)
-                    if stage == last:
+                    if training:
                         kept[(action.chunk, action.mb)] = (incoming, result)
+                    if stage == last:
                         total += result.detach().float()
                     else:
-                        kept[(action.chunk, action.mb)] = (incoming, result)
                         links.send(("act", stage + 1, action.mb), place.owner(stage + 1)[0],
                                    result, self.headers)
                 elif action.kind == "B":
@@ -141,8 +156,9 @@ class PipelineRunner:
                                "stage": stage, "start": began - start, "end": done - start,
                                "wait": ready - began})
             links.finish()
-        self._sum_tied()
-        optimizer.sync.reduce_now()
+        if training:
+            self._sum_tied()
+            optimizer.sync.reduce_now()
         self.current = None
         self.ctx.comm.all_reduce(total, group=self.ctx.group("pp"))
         if deferred is not None and deferred.pending():
@@ -155,7 +171,7 @@ class PipelineRunner:
     def _forward(self, model: nn.Module, objective: Any, batch: Any, action: Action,
                  incoming: torch.Tensor | None, is_last: bool,
                  deferred: weight_grad.DeferredGrads | None) -> torch.Tensor:
-        if incoming is not None and incoming.is_floating_point():
+        if incoming is not None and incoming.is_floating_point() and torch.is_grad_enabled():
             incoming.requires_grad_()
         context = deferred.recording(action.chunk, action.mb) if deferred is not None \
             else _nothing()

@@ -174,10 +174,12 @@ def _pick(r, place, last, m, next_f, next_b, pending_w, held, ready, p) -> Actio
     return None
 
 
-def forward_only(p: int, m: int, chunks: int = 1) -> Schedule:
-    orders = tuple(tuple(Action("F", c, i) for i in range(m) for c in range(chunks))
+def forward_only(p: int, m: int, chunks: int = 1, v_shape: bool = False) -> Schedule:
+    """Every forward, chunk by chunk: a rank's first chunk runs all micro-batches while the
+    later stages start on them (on the V placement too)."""
+    orders = tuple(tuple(Action("F", c, i) for c in range(chunks) for i in range(m))
                    for _ in range(p))
-    return Schedule("forward_only", Placement(p, chunks), orders)
+    return Schedule("forward_only", Placement(p, chunks, v_shape), orders)
 
 
 def build(name: str, p: int, m: int, chunks: int = 1) -> Schedule:

@@ -186,3 +186,35 @@ def test_a_stage_that_raises_is_named_and_its_peer_stops_within_the_timeout(rank
     assert "raised on pipeline stage 1" in report and "step 1" in report
     assert "pipeline rank 0 waited for the gradient of micro-batch 0 from pipeline rank 1" \
         in report
+
+
+def _evaluated(rank: int, world: int, plan: str) -> float:
+    import transformers
+
+    from kernels_runtime import eval_step, parallelize_model
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=96, max_position_embeddings=8)
+    model = parallelize_model(transformers.LlamaForCausalLM(config), ctx=context(plan),
+                              verbose=False)
+    ids = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(0))
+    return eval_step(model, [(p, p) for p in ids.chunk(4)])
+
+
+def test_eval_step_runs_the_forward_only_schedule_like_one_process(ranks):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=96, max_position_embeddings=8)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = sum(model(input_ids=p, labels=p).loss.item() for p in ids.chunk(4)) / 4
+    for plan in ("pp=2 mb=4", "pp=2 mb=4 pp_schedule=interleaved pp_chunks=2",
+                 "pp=2 mb=4 pp_schedule=zbv", "dp=2"):
+        for got in ranks(2).run(_evaluated, plan):
+            assert abs(got - want) / want < 1e-6, (plan, got, want)
