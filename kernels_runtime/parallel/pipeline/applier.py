@@ -4,7 +4,8 @@ rank's stages of the model and record the schedule ``train_step`` runs.
 Stages come from the policy's split points: its blocks, balanced by parameter count over the
 plan's pp x chunks virtual stages (``partition.py``), with its ``PipelineSpec`` naming what
 runs before the blocks (embeddings, on the first stage) and after them (final norm and heads,
-on the last). A plain ``nn.Sequential`` model is split over its children. Every kept
+on the last). A plain ``nn.Sequential`` model is split over its children. Dropout is seeded
+per block and micro-batch from one seed the pipeline shares (``dropout_seeds.py``). Every kept
 parameter's layout gains "pp" among its sharded axes (the stages hold different parameters, so
 the gradient norm sums over them) and a tied embedding is marked as one of two replicas (first
 and last stage), so the norm counts it once and a checkpoint stores it once under its name.
@@ -14,9 +15,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from kernels_runtime.mesh.validation import pipeline_chunks
+from kernels_runtime.parallel.pipeline import weight_grad
+from kernels_runtime.parallel.pipeline.dropout_seeds import BlockSeeds
 from kernels_runtime.parallel.pipeline.executor import PipelineRunner
 from kernels_runtime.parallel.pipeline.partition import partition
 from kernels_runtime.parallel.pipeline.schedules import Placement
@@ -64,6 +69,16 @@ def _first_path(model: nn.Module, candidates: tuple[str, ...]) -> str | None:
     return next((c for c in candidates if c in names), None)
 
 
+def _shared_seeds(ctx) -> BlockSeeds:
+    """One base seed for the whole pipeline (drawn on its first stage, broadcast over pp)."""
+    base = torch.randint(0, 2**62, (1,), dtype=torch.int64) if ctx.coord("pp") == 0 \
+        else torch.zeros(1, dtype=torch.int64)
+    base = base.to(ctx.device)
+    group = ctx.group("pp")
+    ctx.comm.broadcast(base, src=dist.get_global_rank(group, 0), group=group)
+    return BlockSeeds(int(base.item()))
+
+
 def check(state: ParallelState, model: nn.Module) -> str | None:
     plan = state.ctx.plan
     if plan.pp == 1:
@@ -95,7 +110,7 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     params_before = {id(p): p for p in model.parameters()}
     names_before = {n for n, _ in model.named_parameters()}
     container = model.get_submodule(container_path) if container_path else model
-    stage_blocks = StageBlocks(container, [list(ranges[v]) for v in mine])
+    stage_blocks = StageBlocks(container, [list(ranges[v]) for v in mine], _shared_seeds(ctx))
     if not first:
         keep = {pid: params_before[pid] for pid in tied} if last else {}
         stub_before(model, before, keep, compute_dtype(plan.precision))
@@ -117,6 +132,9 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     state.schedule = PipelineRunner(
         ctx, stage_blocks, plan.pp_schedule, chunks,
         [params_before[pid] for pid in tied if pid in held] if across else [])
+    if plan.pp_schedule == "zbv":  # B and W apart: the linear layers defer their dW
+        state.schedule.deferred = weight_grad.DeferredGrads()
+        weight_grad.install(model, state.schedule.deferred)
     state.replaced.append((container_path or type(model).__name__,
                            f"pipeline stages {mine} of {place.stages}: blocks "
                            f"{[list(ranges[v]) for v in mine]}"))

@@ -57,6 +57,8 @@ class PipelineRunner:
         self._schedules: dict[int, Schedule] = {}
         self.last_timeline: dict[str, Any] = {}
         self.steps = 0  # steps completed (the same on every stage: each ends in a collective)
+        self.costs: tuple[float, float, float] | None = None  # zbv: measured (F, B, W)
+        self.deferred: weight_grad.DeferredGrads | None = None  # zbv: set by the applier
 
     def run(self, model: nn.Module, optimizer: Any, microbatches: Sequence[Any],
             objective: Any, telemetry: Any) -> torch.Tensor:
@@ -87,14 +89,31 @@ class PipelineRunner:
                              f"micro-batch {action.mb}, step {self.steps}")
             raise
         self.steps += optimizer is not None
+        if self.name == "zbv" and self.costs is None and optimizer is not None:
+            self._measure_costs()
         return total
+
+    def _measure_costs(self) -> None:
+        """After the first zbv step: the mean F, B and W time of a chunk action over the
+        pipeline (one all-reduce, so every rank derives the same order) shapes the order of
+        later steps (``schedules.zero_bubble_v``)."""
+        events = self.last_timeline.get("events", [])
+        mean = []
+        for kind in "FBW":
+            times = [e["end"] - e["start"] - e["wait"] for e in events if e["kind"] == kind]
+            mean.append(sum(times) / len(times) if times else 0.0)
+        measured = torch.tensor(mean, dtype=torch.float64, device=self.ctx.device)
+        self.ctx.comm.all_reduce(measured, group=self.ctx.group("pp"))
+        f, b, w = (max(v, 1e-9) for v in measured.tolist())
+        self.costs = (1.0, round(b / f, 2), round(w / f, 2))  # rounded: the same on every rank
+        self._schedules.clear()
 
     def schedule_for(self, m: int) -> Schedule:
         if m not in self._schedules:
             if self.name == "interleaved" and m % self.p:
                 raise ValueError(f"pp_schedule=interleaved runs micro-batches in rounds of "
                                  f"pp={self.p}; pass a multiple of {self.p} (got {m})")
-            self._schedules[m] = build(self.name, self.p, m, self.chunks)
+            self._schedules[m] = build(self.name, self.p, m, self.chunks, self.costs)
         return self._schedules[m]
 
     def _run(self, model: nn.Module, optimizer: Any, microbatches: Sequence[Any],
@@ -109,13 +128,17 @@ class PipelineRunner:
         last = place.stages - 1
         total = torch.zeros((), dtype=torch.float32, device=device)
         kept: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        deferred = weight_grad.DeferredGrads() if schedule.split_backward else None
+        deferred = self.deferred if schedule.split_backward else None
+        if deferred is not None:
+            deferred.ran = 0
         events: list[dict[str, Any]] = []
         start = time.perf_counter()
         training = optimizer is not None
         if training:
             optimizer.sync.prepare_backward(False)
-        with optimizer.no_sync() if training else _nothing():
+        seeds = self.blocks.seeds
+        forking = seeds.forking(device) if seeds is not None else _nothing()
+        with optimizer.no_sync() if training else _nothing(), forking:
             for action in schedule.orders[self.me]:
                 stage = place.stage(self.me, action.chunk)
                 began = time.perf_counter()
@@ -175,7 +198,9 @@ class PipelineRunner:
             incoming.requires_grad_()
         context = deferred.recording(action.chunk, action.mb) if deferred is not None \
             else _nothing()
-        with self.blocks.running(action.chunk, incoming, exits=not is_last), context:
+        seeds = self.blocks.seeds
+        seeded = seeds.micro_batch(self.steps, action.mb) if seeds is not None else _nothing()
+        with self.blocks.running(action.chunk, incoming, exits=not is_last), context, seeded:
             try:
                 loss = objective(model, batch)
             except StageExit as stop:

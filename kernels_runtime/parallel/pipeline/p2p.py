@@ -7,7 +7,7 @@ instrumented collectives, so their bytes and wait times appear per group ("pp") 
 
 Two details make this correct under every schedule and backend:
 
-- Order. NCCL matches a pair's messages in the order they were posted, and a zbv rank
+- Order. Device backends match a pair's messages in the order they were posted, and a zbv rank
   receives activations of one chunk and gradients of another on the same link, in its own
   order. Every rank knows the whole schedule, so it knows the order in which its peer sends
   on each link (``channel_orders``) and posts its receives in exactly that order, keeping

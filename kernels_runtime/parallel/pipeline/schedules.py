@@ -13,7 +13,8 @@ from and its output goes, is the schedule's ``Placement``:
 - ``zbv`` (zero-bubble V, Qi et al. 2024): 2 chunks per rank in a V (rank r holds virtual
   stages r and 2p-1-r, so the first rank also computes the loss); B computes only the input
   gradient and the weight gradients (W) fill what would be bubbles. Its order is found by list
-  scheduling (``zero_bubble_v``): B first, then F while the in-flight activations stay within
+  scheduling (``zero_bubble_v``) with the costs of F, B and W (unit costs first, then the
+  ones the first step measured): B first, then F while the in-flight activations stay within
   1F1B's, then W.
 - ``forward_only``: forwards in order, for evaluation and the inference engine.
 
@@ -115,47 +116,88 @@ def interleaved(p: int, m: int, chunks: int) -> Schedule:
     return Schedule("interleaved", Placement(p, chunks), tuple(orders))
 
 
-def zero_bubble_v(p: int, m: int) -> Schedule:
-    """ZB-V by list scheduling in unit time (F = B = W = 1 per chunk): each free rank takes a
-    ready B, else a ready F while it holds fewer than 2p chunk activations (1F1B's peak: p
-    micro-batches of a whole stage), else a pending W."""
+def zero_bubble_v(p: int, m: int, costs: tuple[float, float, float] = (1.0, 1.0, 1.0)
+                  ) -> Schedule:
+    """ZB-V by list scheduling with the (F, B, W) cost of a chunk action (unit costs unless
+    measured ones are given): the rank that is free first takes a ready B, else a ready F
+    while it holds fewer than 2p chunk activations (1F1B's peak: p micro-batches of a whole
+    stage), else a pending W; with nothing ready it waits for the next action to finish.
+    Below ``warm`` held activations a ready F goes before a ready B (a deeper warm-up pays
+    when W is small next to B); of these orders, and the one running each W right after its
+    B, the one with the shortest step at these costs wins."""
+    best: tuple[float, Schedule] | None = None
+    # warm-up depths, and -1: every W right after its B (a V-shaped 1F1B, the best order when
+    # W is too small next to B to fill anything)
+    for warm in sorted({-1, 0, p // 2, p, 2 * p}):
+        makespan, schedule = _list_schedule(p, m, costs, warm)
+        if best is None or makespan < best[0] - 1e-9:
+            best = makespan, schedule
+    assert best is not None
+    return best[1]
+
+
+def _list_schedule(p: int, m: int, costs: tuple[float, float, float],
+                   warm: int) -> tuple[float, Schedule]:
     place = Placement(p, 2, v_shape=True)
     last = place.stages - 1
-    done: dict[tuple[str, int, int], int] = {}  # (kind, stage, mb) -> finish time
+    cost = dict(zip("FBW", costs))
+    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> finish time
     next_f = [[0, 0] for _ in range(p)]  # per rank and chunk: next micro-batch to forward
     next_b = [[0, 0] for _ in range(p)]
     pending_w: list[list[Action]] = [[] for _ in range(p)]
     held = [0] * p  # chunk activations kept for backward (F done, W not yet)
     orders: list[list[Action]] = [[] for _ in range(p)]
-    t, remaining = 0, 6 * p * m
+    free = [0.0] * p
+    while any(len(o) < 6 * m for o in orders):
+        active = [r for r in range(p) if len(orders[r]) < 6 * m]
+        t = min(free[r] for r in active)
+        now = [r for r in active if free[r] <= t + 1e-9]
+        choice = None
+        for r in now:
+            action = _pick(r, place, last, m, next_f, next_b, pending_w, held,
+                           lambda key, t=t: done.get(key, float("inf")) <= t + 1e-9, p, warm)
+            if action is not None:
+                choice = r, action
+                break
+        later = [v for v in [*done.values(), *free] if v > t + 1e-9]
+        if choice is None and later:  # nobody free now can act: they wait for the next finish
+            for r in now:
+                free[r] = min(later)
+            continue
+        if choice is None:  # every rank waits on the memory cap: the first one exceeds it
+            for r in now:
+                action = _pick(r, place, last, m, next_f, next_b, pending_w, held,
+                               lambda key, t=t: done.get(key, float("inf")) <= t + 1e-9,
+                               10 * p * m, warm)
+                if action is not None:
+                    choice = r, action
+                    break
+            if choice is None:
+                raise RuntimeError("zbv list scheduling made no progress")  # a bug
+        r, action = choice
+        orders[r].append(action)
+        done[(action.kind, place.stage(r, action.chunk), action.mb)] = t + cost[action.kind]
+        free[r] = t + cost[action.kind]
+        if action.kind == "F":
+            next_f[r][action.chunk] += 1
+            held[r] += 1
+        elif action.kind == "B":
+            next_b[r][action.chunk] += 1
+            pending_w[r].append(Action("W", action.chunk, action.mb))
+        else:
+            held[r] -= 1
+    schedule = Schedule("zbv", place, tuple(tuple(o) for o in orders), split_backward=True)
+    return max(free), schedule
 
-    def ready(key: tuple[str, int, int]) -> bool:
-        return done.get(key, t + 1) <= t
 
-    while remaining:
-        for r in range(p):
-            action = _pick(r, place, last, m, next_f, next_b, pending_w, held, ready, p)
-            if action is None:
-                continue
-            orders[r].append(action)
-            stage = place.stage(r, action.chunk)
-            done[(action.kind, stage, action.mb)] = t + 1
-            if action.kind == "F":
-                next_f[r][action.chunk] += 1
-                held[r] += 1
-            elif action.kind == "B":
-                next_b[r][action.chunk] += 1
-                pending_w[r].append(Action("W", action.chunk, action.mb))
-            else:
-                held[r] -= 1
-            remaining -= 1
-        t += 1
-        if t > 100 * (remaining + 6 * p * m):
-            raise RuntimeError("zbv list scheduling made no progress")  # a bug, not an input
-    return Schedule("zbv", place, tuple(tuple(o) for o in orders), split_backward=True)
-
-
-def _pick(r, place, last, m, next_f, next_b, pending_w, held, ready, p) -> Action | None:
+def _pick(r, place, last, m, next_f, next_b, pending_w, held, ready, cap,
+          warm) -> Action | None:
+    if warm < 0 and pending_w[r]:
+        return pending_w[r].pop(0)
+    if held[r] < warm:
+        forward = _forward(r, place, m, next_f, ready)
+        if forward is not None:
+            return forward
     for chunk in (1, 0):  # the deeper chunk's backward frees memory and feeds the other
         i = next_b[r][chunk]
         stage = place.stage(r, chunk)
@@ -163,14 +205,21 @@ def _pick(r, place, last, m, next_f, next_b, pending_w, held, ready, p) -> Actio
             after = ("F", stage, i) if stage == last else ("B", stage + 1, i)
             if ready(after) and ready(("F", stage, i)):
                 return Action("B", chunk, i)
-    if held[r] < 2 * p:
-        for chunk in (1, 0):
-            i = next_f[r][chunk]
-            stage = place.stage(r, chunk)
-            if i < m and (stage == 0 or ready(("F", stage - 1, i))):
-                return Action("F", chunk, i)
+    if held[r] < 2 * cap:
+        forward = _forward(r, place, m, next_f, ready)
+        if forward is not None:
+            return forward
     if pending_w[r]:
         return pending_w[r].pop(0)
+    return None
+
+
+def _forward(r, place, m, next_f, ready) -> Action | None:
+    for chunk in (1, 0):
+        i = next_f[r][chunk]
+        stage = place.stage(r, chunk)
+        if i < m and (stage == 0 or ready(("F", stage - 1, i))):
+            return Action("F", chunk, i)
     return None
 
 
@@ -182,8 +231,10 @@ def forward_only(p: int, m: int, chunks: int = 1, v_shape: bool = False) -> Sche
     return Schedule("forward_only", Placement(p, chunks, v_shape), orders)
 
 
-def build(name: str, p: int, m: int, chunks: int = 1) -> Schedule:
-    """The schedule ``name`` (a plan's ``pp_schedule``) for p ranks and m micro-batches."""
+def build(name: str, p: int, m: int, chunks: int = 1,
+          costs: tuple[float, float, float] | None = None) -> Schedule:
+    """The schedule ``name`` (a plan's ``pp_schedule``) for p ranks and m micro-batches;
+    ``costs`` (F, B, W of a chunk action) shape the zbv order."""
     if name == "gpipe":
         return gpipe(p, m)
     if name == "1f1b":
@@ -191,7 +242,7 @@ def build(name: str, p: int, m: int, chunks: int = 1) -> Schedule:
     if name == "interleaved":
         return interleaved(p, m, chunks)
     if name == "zbv":
-        return zero_bubble_v(p, m)
+        return zero_bubble_v(p, m, costs or (1.0, 1.0, 1.0))
     if name == "forward_only":
         return forward_only(p, m, chunks)
     raise ValueError(f"unknown pipeline schedule {name!r}; choose gpipe, 1f1b, interleaved, "

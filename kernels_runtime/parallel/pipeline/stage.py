@@ -25,12 +25,15 @@ gradient over the two (the context's ``embedding`` group) so both copies stay id
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+from kernels_runtime.parallel.pipeline.dropout_seeds import BlockSeeds
 
 
 class StageExit(Exception):  # noqa: N818 - a control-flow signal, not an error
@@ -73,8 +76,9 @@ class StageBlocks:
     """This rank's blocks inside their container, per chunk, with the hooks that cut the
     forward to one chunk."""
 
-    def __init__(self, container: nn.Module, chunks: list[list[int]]) -> None:
-        self.container = container
+    def __init__(self, container: nn.Module, chunks: list[list[int]],
+                 seeds: BlockSeeds | None = None) -> None:
+        self.container, self.seeds = container, seeds
         every = container._modules
         keys = list(every)
         self.chunks: list[OrderedDict[str, nn.Module]] = [
@@ -85,6 +89,9 @@ class StageBlocks:
         self._incoming: torch.Tensor | None = None
         self._entry: nn.Module | None = None
         self._exit: nn.Module | None = None
+        if seeds is not None:  # every block seeds its dropout from its index (dropout_seeds)
+            for key, block in self.local.items():
+                block.register_forward_pre_hook(functools.partial(_seed, seeds, keys.index(key)))
         for chunk in self.chunks:
             first, last = next(iter(chunk.values())), next(reversed(chunk.values()))
             first.register_forward_pre_hook(self._replace_input, with_kwargs=True)
@@ -127,6 +134,10 @@ class StageBlocks:
                 raise TypeError(f"a pipeline stage ends at a block that returned "
                                 f"{type(hidden).__name__}; stages pass one tensor between them")
             raise StageExit(hidden)
+
+
+def _seed(seeds: BlockSeeds, index: int, module: nn.Module, args: tuple) -> None:
+    seeds.seed_block(index)
 
 
 def find_container(model: nn.Module, blocks: list[nn.Module]) -> tuple[str, nn.Module] | None:

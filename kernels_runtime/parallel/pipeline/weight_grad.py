@@ -3,15 +3,16 @@
 Zero-bubble schedules (Qi et al. 2024) send the input gradient upstream as soon as it exists
 and compute weight gradients later, in what would be bubbles. Almost all of a transformer's
 weight-gradient work is in its linear layers (``x @ W.T``: the weight gradient is
-``g.T @ x``), so those are the ones deferred: while a zbv forward runs, a torch function mode
-routes every linear op on a trainable parameter (``F.linear``: ``nn.Linear`` and the
-tensor-parallel layers; ``torch.addmm`` or ``x @ W`` with the weight as the second matrix:
-GPT-2's ``Conv1D`` and its tensor-parallel shards) through ``DeferrableLinear``, whose
-backward returns the input gradient and queues the weight and bias gradients under the
-micro-batch's key. The ``W`` action runs the queue:
-each gradient goes into its parameter through autograd (``torch.autograd.backward`` on the
-leaf), so gradient hooks (data parallelism's buckets) fire exactly as in an ordinary backward.
-Other parameters (norms, embeddings) get their gradients in B, as before.
+``g.T @ x``), so those are the ones deferred. ``install`` gives every linear layer of a stage
+(``nn.Linear``, transformers' ``Conv1D`` with its (in, out) weight, and the local matmul of
+the tensor-parallel layers, their ``project``) a forward that, while a zbv forward records,
+runs through ``DeferrableLinear``: its backward returns the input gradient and queues the
+weight and bias gradients under the micro-batch's key. The ``W`` action runs the queue: each
+gradient goes into its parameter through autograd (``torch.autograd.backward`` on the leaf),
+so gradient hooks (data parallelism's buckets) fire as in an ordinary backward. Other
+parameters (norms, embeddings) get their gradients in B. An activation-checkpoint replay inside
+a B records the same way (it must save what the forward saved); outside a zbv forward or B
+(other schedules, evaluation) the layers run as before.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 Key = tuple[int, int]  # (chunk, micro-batch)
 
@@ -32,14 +32,18 @@ class DeferredGrads:
 
     def __init__(self) -> None:
         self.queues: dict[Key, list[Callable[[], None]]] = {}
+        self.recording_key: Key | None = None
         self.deferring_key: Key | None = None
         self.ran = 0  # weight-gradient computations W has run (the deferred work, counted)
 
     @contextlib.contextmanager
     def recording(self, chunk: int, mb: int) -> Iterator[None]:
-        """During a forward: linear ops on trainable weights become deferrable."""
-        with _DeferrableLinearMode(self, (chunk, mb)):
+        """During a forward: the installed linear layers become deferrable."""
+        self.recording_key = (chunk, mb)
+        try:
             yield
+        finally:
+            self.recording_key = None
 
     @contextlib.contextmanager
     def deferring(self, chunk: int, mb: int) -> Iterator[None]:
@@ -86,56 +90,56 @@ class DeferrableLinear(torch.autograd.Function):
             gb = g2.sum(0) if ctx.has_bias else None
             return (gw.t() if ctx.transposed else gw), gb
 
-        owner, key = ctx.owner, ctx.key
+        owner, key, params = ctx.owner, ctx.key, ctx.params
         if not wants_weight:
             return grad_x, None, None, None, None, None
-        if owner.deferring_key != key:  # an ordinary backward (checkpoint replay, tests)
+        if owner.deferring_key != key:  # an ordinary backward (tests, a full B)
             gw, gb = weight_grads()
             return grad_x, gw, gb, None, None, None
-        params = ctx.params
 
         def work() -> None:
             gw, gb = weight_grads()
-            tensors = [p for p in params if p is not None and p.requires_grad]
-            grads = [g for p, g in zip(params, (gw, gb)) if p is not None and p.requires_grad]
-            torch.autograd.backward(tensors, grads)
+            pairs = [(p, g) for p, g in zip(params, (gw, gb))
+                     if isinstance(p, torch.Tensor) and p.requires_grad]
+            torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
 
         owner.queues.setdefault(key, []).append(work)
         return grad_x, None, None, None, None, None
 
 
-def _trainable(t: Any) -> bool:
-    return isinstance(t, nn.Parameter) and t.requires_grad
+class _Deferring:
+    """A layer's replacement ``forward`` (or ``project``): the original outside a recording
+    forward, ``DeferrableLinear`` inside one. A class, not a closure, so copies stay apart."""
+
+    def __init__(self, module: nn.Module, original: Callable[..., Any], owner: DeferredGrads,
+                 transposed: bool, with_bias: bool) -> None:
+        self.module, self.original, self.owner = module, original, owner
+        self.transposed, self.with_bias = transposed, with_bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # a B's activation-checkpoint replay takes the same path as the forward it replays
+        key, m = self.owner.recording_key or self.owner.deferring_key, self.module
+        if key is None or not torch.is_grad_enabled() or not m.weight.requires_grad:
+            return self.original(x)
+        bias = m.bias if self.with_bias else None
+        return DeferrableLinear.apply(x, m.weight, bias, self.transposed, self.owner, key)
 
 
-def _leaf_or_constant(bias: Any) -> bool:
-    """A bias whose gradient W can add: none, a parameter, or a tensor needing no gradient."""
-    return bias is None or isinstance(bias, nn.Parameter) or not bias.requires_grad
-
-
-_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
-
-
-class _DeferrableLinearMode(TorchFunctionMode):
-    def __init__(self, owner: DeferredGrads, key: Key) -> None:
-        super().__init__()
-        self.owner, self.key = owner, key
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if torch.is_grad_enabled():
-            if func is nn.functional.linear and len(args) >= 2 and _trainable(args[1]):
-                bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                if _leaf_or_constant(bias):
-                    return self._apply(args[0], args[1], bias, False)
-            if func is torch.addmm and len(args) == 3 and not kwargs and _trainable(args[2]) \
-                    and _leaf_or_constant(args[0]):
-                return self._apply(args[1], args[2], args[0], True)
-            if func in _MATMULS and len(args) == 2 and not kwargs and _trainable(args[1]) \
-                    and args[1].dim() == 2:
-                return self._apply(args[0], args[1], None, True)
-        return func(*args, **kwargs)
-
-    def _apply(self, x: torch.Tensor, weight: nn.Parameter, bias: Any,
-               transposed: bool) -> torch.Tensor:
-        return DeferrableLinear.apply(x, weight, bias, transposed, self.owner, self.key)
+def install(model: nn.Module, owner: DeferredGrads) -> int:
+    """Make the stage's linear layers deferrable; returns how many were."""
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+            continue
+        if isinstance(module, nn.Linear):
+            module.forward = _Deferring(module, module.forward, owner, False, True)
+        elif type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers'
+            module.forward = _Deferring(module, module.forward, owner, True, True)
+        elif callable(getattr(module, "project", None)) and hasattr(module, "transposed"):
+            module.project = _Deferring(module, module.project, owner,
+                                        bool(module.transposed), False)
+        else:
+            continue
+        count += 1
+    return count

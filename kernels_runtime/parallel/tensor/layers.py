@@ -70,9 +70,7 @@ def _enter(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
-    # F.linear and x @ W on the parameter itself: the ops a zero-bubble pipeline defers the
-    # weight gradient of (kernels_runtime.parallel.pipeline.weight_grad)
-    return x @ weight if transposed else nn.functional.linear(x, weight)
+    return x @ weight if transposed else x @ weight.t()
 
 
 class ColumnParallelLinear(nn.Module):
@@ -88,9 +86,13 @@ class ColumnParallelLinear(nn.Module):
         self.enter: SharedEntry | None = None  # shared with layers fed the same input
         self.input_gathered = False  # gathered by the enclosing module (sequence parallel)
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The local matmul alone (a zero-bubble pipeline defers its weight gradient)."""
+        return _matmul(x, self.weight, self.transposed)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _enter(self, x)  # (b, s, in), replicated
-        y = _matmul(x, self.weight, self.transposed)  # (b, s, out/tp)
+        y = self.project(x)  # (b, s, out/tp)
         if self.bias is not None:
             y = y + self.bias
         if self.gather_output:
@@ -161,8 +163,12 @@ class RowParallelLinear(nn.Module):
         self.transposed = transposed
         self.scatter_output = False  # sequence parallelism: reduce-scatter along s
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The local matmul alone (a zero-bubble pipeline defers its weight gradient)."""
+        return _matmul(x, self.weight, self.transposed)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = _matmul(x, self.weight, self.transposed)  # (b, s, out), this rank's share
+        partial = self.project(x)  # (b, s, out), this rank's share
         if not self.scatter_output:
             y = reduce_from_group(partial, self.comm, self.group)  # (b, s, out)
             return y + self.bias if self.bias is not None else y

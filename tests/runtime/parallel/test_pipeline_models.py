@@ -218,3 +218,33 @@ def test_eval_step_runs_the_forward_only_schedule_like_one_process(ranks):
                  "pp=2 mb=4 pp_schedule=zbv", "dp=2"):
         for got in ranks(2).run(_evaluated, plan):
             assert abs(got - want) / want < 1e-6, (plan, got, want)
+
+
+def _with_dropout(rank: int, world: int, plan: str) -> list[float]:
+    import transformers
+
+    from kernels_runtime import parallelize, train_step
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=4, n_head=4, vocab_size=128,
+                                     n_positions=8)  # dropout 0.1 on embeddings and blocks
+    model = transformers.GPT2LMHeadModel(config)
+    model, opt = parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             ctx=context(plan), verbose=False)
+    torch.manual_seed(1234 + rank)  # the ranks' own streams differ: masks must not use them
+    losses = []
+    for step in range(4):
+        ids = torch.randint(0, 128, (8, 8), generator=torch.Generator().manual_seed(step))
+        losses.append(train_step(model, opt, [(p, p) for p in ids.chunk(4)]).loss)
+    return losses
+
+
+def test_dropout_masks_do_not_depend_on_the_schedule_or_the_split(ranks):
+    runs = {plan: ranks(2).run(_with_dropout, plan)[0] for plan in (
+        "pp=2 mb=4", "pp=2 mb=4 pp_schedule=gpipe", "pp=2 mb=4 pp_schedule=zbv",
+        "pp=2 mb=4 pp_schedule=interleaved pp_chunks=2")}
+    runs["pp=4 mb=4"] = ranks(4).run(_with_dropout, "pp=4 mb=4")[0]
+    first = runs["pp=2 mb=4"]
+    for plan, losses in runs.items():
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses, first)) < 1e-6, (plan, losses)
+    assert len({round(v, 6) for v in first}) == 4  # it trains: four different losses
