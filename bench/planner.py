@@ -27,7 +27,9 @@ The model's transient communication buffers are predicted, not measured.
 ``--project``: per-GPU model-state memory of a GPT-3-175B-like model under DDP and ZeRO-1/2/3
 on 64 to 1024 GPUs by the ZeRO paper's formulas; then the cost model's predicted TFLOP/s per
 GPU for the rows of Megatron-LM's Table 1 without pipeline parallelism (1.7B-18.4B on 32-256
-A100s, tensor parallelism 1-8) next to the published ones (``bench/planner_megatron.py``); and
+A100s, tensor parallelism 1-8) and for its pipelined rows that REFERENCES.md quotes (145.6B,
+530B, 1T on 1536-3072 A100s, tp=8 with 8-64 stages; heads, batch and schedule assumed, and
+said) next to the published ones (``bench/planner_megatron.py``); and
 the predicted 2.5D-over-1D and 2.5D-over-2D speedups on 64 GPUs next to Tesseract's 1.38x and
 1.53x (``bench/planner_tesseract.py``, which states the setting it assumes).
 """
@@ -171,7 +173,8 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench planner")
     parser.add_argument("--project", action="store_true",
                         help="projections only, no ranks: ZeRO memory table, Megatron-LM "
-                             "Table 1 throughput (predicted vs published TFLOP/s per GPU) and "
+                             "Table 1 throughput with and without pipelines (predicted vs "
+                             "published TFLOP/s per GPU) and "
                              "Tesseract's 2.5D speedups on 64 GPUs")
     parser.add_argument("--psi", type=float, default=175e9, help="parameters, with --project")
     parser.add_argument("--world", type=int, default=2)

@@ -3,11 +3,20 @@
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (arXiv 2104.04473), Table 1: weak scaling of GPT models on Selene's A100s (8 per
 node, 312 TFLOP/s bf16/fp16 peak), sequence 2048, vocabulary 51,200, mixed precision, full
-activation recomputation. The rows without pipeline parallelism (1.7B to 18.4B) use only the
-terms this cost model has: 1D tensor parallelism inside a node and data parallelism across
-nodes. For each row, ``predict`` prices the paper's plan on the A100 data-sheet profile and the
-paper's FLOP count (its eq. 3: ``96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h))`` per iteration, with
-recomputation) turns the predicted step time into TFLOP/s per GPU, next to the paper's.
+activation recomputation. The rows without pipeline parallelism (1.7B to 18.4B) are 1D tensor
+parallelism inside a node and data parallelism across nodes; the pipelined rows add pipeline
+stages across nodes (``PIPELINED``). For each row, ``predict`` prices the paper's plan on the
+A100 data-sheet profile and the paper's FLOP count (its eq. 3:
+``96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h))`` per iteration, with recomputation) turns the
+predicted step time into TFLOP/s per GPU, next to the paper's.
+
+The pipelined rows are the ones ``shared/REFERENCES.md`` quotes (145.6B, 530B, 1T: layers,
+hidden size, tp, pp, GPUs, TFLOP/s and % of peak). It gives neither their attention heads nor
+their global batch, nor the schedule, so those are assumptions, printed with the table: 128
+dimensions per head (heads only change the one recomputed layer's activations), a global batch
+of one sequence per GPU, micro-batches of the size (1, 2 or 4) predicted fastest within 80 GB,
+and both 1F1B and interleaved schedules. Rows of the paper's table that REFERENCES.md does not
+quote are left out rather than recalled.
 
 Torch-free: pure arithmetic, shared by ``python -m bench planner --project`` and the tests.
 """
@@ -45,13 +54,48 @@ TABLE1 = (
 )
 
 
-def iteration_flops(row: MegatronRow) -> float:
+@dataclass(frozen=True)
+class PipelinedRow:
+    """A pipelined row of Table 1 as REFERENCES.md quotes it (no heads, no batch size)."""
+
+    label: str
+    layers: int
+    hidden: int
+    tp: int
+    pp: int
+    gpus: int
+    tflops: float  # achieved teraFLOP/s per GPU, as published
+    peak_percent: int  # of 312 TFLOP/s, as published
+
+    @property
+    def heads(self) -> int:
+        return self.hidden // HEAD_DIM  # assumed
+
+    @property
+    def batch(self) -> int:
+        return self.gpus  # assumed: one sequence per GPU per iteration
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+
+PIPELINED = (
+    PipelinedRow("145.6B", 80, 12288, 8, 8, 1536, 148, 47),
+    PipelinedRow("530B", 105, 20480, 8, 35, 2520, 163, 52),
+    PipelinedRow("1T", 128, 25600, 8, 64, 3072, 163, 52),
+)
+HEAD_DIM = 128  # assumption for the pipelined rows' head counts
+PIPELINE_MICRO = (1, 2, 4)  # micro-batch sizes tried for the pipelined rows
+
+
+def iteration_flops(row: MegatronRow | PipelinedRow) -> float:
     """The paper's eq. 3: FLOPs of one iteration with activation recomputation."""
     b, s, layer, h, v = row.batch, SEQ, row.layers, row.hidden, VOCAB
     return 96 * b * s * layer * h * h * (1 + s / (6 * h) + v / (16 * layer * h))
 
 
-def spec_for(row: MegatronRow) -> ModelSpec:
+def spec_for(row: MegatronRow | PipelinedRow) -> ModelSpec:
     """A GPT as the paper describes it: learned positions, tied embeddings, and the textbook
     activation count (``attention=None``: Korthikanti et al.'s profile)."""
     return ModelSpec(hidden=row.hidden, layers=row.layers, heads=row.heads, vocab=VOCAB,
@@ -77,7 +121,35 @@ def project(row: MegatronRow, hardware: str = "A100") -> Prediction:
     return fits  # nothing fits: the smallest micro-batch, whose peak the table shows
 
 
-def predicted_tflops(row: MegatronRow, prediction: Prediction) -> float:
+def interleave_chunks(row: PipelinedRow) -> int:
+    """V for the interleaved column: the smallest divisor >= 2 of the blocks per stage (equal
+    chunks), else 2."""
+    per_stage = row.layers // row.pp
+    return next((v for v in range(2, per_stage + 1) if per_stage % v == 0), 2)
+
+
+def project_pipelined(row: PipelinedRow, schedule: str = "1f1b",
+                      hardware: str = "A100") -> Prediction:
+    """The row's dp x pp x tp plan under ``schedule``, at the micro-batch size predicted
+    fastest among those that fit the device (the smallest peak if none fits)."""
+    spec, hw = spec_for(row), PROFILES[hardware]
+    local = row.batch // row.dp
+    chunks = interleave_chunks(row) if schedule == "interleaved" else 1
+    tried = []
+    for size in (b for b in PIPELINE_MICRO if local % b == 0):
+        m = local // size
+        if m < row.pp or (schedule == "interleaved" and m % row.pp):
+            continue
+        tried.append(predict(Plan(dp=row.dp, tp=row.tp, pp=row.pp, pp_schedule=schedule,
+                                  pp_chunks=chunks, precision=PRECISION, microbatches=m,
+                                  activation_checkpointing=True), spec, hw))
+    fits = [p for p in tried if p.peak_bytes <= hw.device_memory]
+    if fits:
+        return min(fits, key=lambda p: p.step_time)
+    return min(tried, key=lambda p: p.peak_bytes)
+
+
+def predicted_tflops(row: MegatronRow | PipelinedRow, prediction: Prediction) -> float:
     return iteration_flops(row) / prediction.step_time / row.gpus / 1e12
 
 
@@ -91,6 +163,45 @@ def table_rows() -> list[tuple]:
         rows.append((f"{row.billions}B (h={row.hidden}, a={row.heads}, l={row.layers})",
                      f"tp={row.tp} dp={row.gpus // row.tp}, B={row.batch}", micro,
                      p.peak_bytes / 1e9, p.step_time, ours, row.tflops, ours / row.tflops))
+    return rows
+
+
+def pipelined_rows() -> list[tuple]:
+    """(model, plan, micro-batch, m, 1F1B bubble, peak GB, 1F1B TFLOP/s, interleaved V and
+    TFLOP/s, paper TFLOP/s, % of peak, 1F1B / paper) per pipelined row."""
+    rows = []
+    for row in PIPELINED:
+        flat = project_pipelined(row, "1f1b")
+        inter = project_pipelined(row, "interleaved")
+        ours, ours_v = predicted_tflops(row, flat), predicted_tflops(row, inter)
+        rows.append((f"{row.label} (h={row.hidden}, l={row.layers})",
+                     f"tp={row.tp} pp={row.pp} dp={row.dp}, B={row.batch}",
+                     flat.setting.micro_batch, flat.setting.microbatches,
+                     f"{flat.bubble_time / flat.step_time:.1%}", flat.peak_bytes / 1e9, ours,
+                     f"V={interleave_chunks(row)}: {ours_v:.1f}", row.tflops,
+                     f"{row.peak_percent}%", ours / row.tflops))
+    return rows
+
+
+def print_pipelined() -> list[tuple]:
+    print("\nMegatron-LM Table 1, pipelined rows quoted in REFERENCES.md: predicted vs published "
+          "teraFLOP/s per GPU")
+    print(f"assumed (not in REFERENCES.md): {HEAD_DIM} dimensions per head; global batch B = "
+          "one sequence per GPU; micro-batch of 1, 2 or 4 sequences, the fastest predicted "
+          "within 80 GB; schedule 1F1B (and interleaved with V chunks); same profile, "
+          "precision and recomputation as above; the bubble by replaying the runtime's "
+          "schedule with the stages' predicted costs; p2p and the data-parallel reduction "
+          "between nodes (25 GB/s)")
+    rows = pipelined_rows()
+    from bench.table import print_table
+
+    print_table(("model", "plan", "micro-batch", "m", "1F1B bubble", "peak GB",
+                 "ours 1F1B", "ours interleaved", "paper TFLOP/s", "paper % peak",
+                 "1F1B/paper"), rows)
+    ratios = [r[-1] for r in rows]
+    print(f"\nheadline: pipelined rows, predicted (1F1B)/published throughput "
+          f"{min(ratios):.2f}-{max(ratios):.2f}x over the {len(rows)} rows REFERENCES.md "
+          "quotes (the paper's other pipelined rows are not quoted there: left out)")
     return rows
 
 
@@ -112,4 +223,4 @@ def print_projection() -> list[tuple]:
     ratios = [r[-1] for r in rows]
     print(f"\nheadline: predicted/published throughput {min(ratios):.2f}-{max(ratios):.2f}x "
           f"over the {len(rows)} rows")
-    return rows
+    return rows + print_pipelined()

@@ -7,6 +7,11 @@ GPT-2 or LLaMA-family model), parallelizes it with the plan, runs warm-up and ti
 random tokens, and measures memory the way a CPU can (module docstring of ``bench.planner``):
 model states from ``BoostedOptimizer.memory_breakdown()`` plus the bytes autograd keeps for
 backward during one micro-batch. Collective: every rank of the default group calls it.
+
+Under pipeline parallelism every rank of a data-parallel replica gets the same micro-batches
+(``train_step`` runs the plan's schedule on them and returns the loss on every stage), and a
+stage's activations are those of all micro-batches it holds at once: the peak of what autograd
+keeps during one whole schedule (``pipeline_memory.peak_live_bytes``), per rank.
 """
 
 from __future__ import annotations
@@ -91,11 +96,31 @@ def measure_memory(model: nn.Module, optimizer: Any, blocks: list[nn.Module],
     return {**states, "activations": activations}
 
 
+def measure_pipeline_memory(model: nn.Module, optimizer: Any,
+                            micros: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, int]:
+    """This stage's model states at their peak + the most activations it held at once while
+    running the schedule over ``micros`` (without the optimizer step)."""
+    from kernels_runtime.calibrate.pipeline_memory import peak_live_bytes
+    from kernels_runtime.parallel.state import parallel_state
+
+    state = parallel_state(model)
+    telemetry = optimizer.ctx.telemetry
+
+    def step() -> None:
+        state.schedule.run(model, optimizer, micros, next_token_loss, telemetry)
+
+    activations = peak_live_bytes(step, state.blocks)
+    states = optimizer.memory_breakdown()  # gradients reduced, states built
+    optimizer.zero_grad()
+    return {**states, "activations": activations}
+
+
 def run_trial(plan: Plan | str, shape: dict[str, Any], *, batch: int, steps: int = 3,
               warmup: int = 1, comm: Any = None, lr: float = 1e-4) -> dict[str, Any]:
     """Train ``steps`` timed steps (after ``warmup``) of the model ``shape`` under ``plan`` with
-    ``batch`` samples per data-parallel rank per step; returns this rank's step times (s) and
-    memory (bytes per category). The model is freed afterwards."""
+    ``batch`` samples per data-parallel rank per step (shared by its tp, sp and pp ranks);
+    returns this rank's step times (s), memory (bytes per category) and pipeline stage. The
+    model is freed afterwards."""
     from kernels_runtime.api import parallelize, train_step
     from kernels_runtime.mesh.context import ParallelContext
     from kernels_runtime.policies import get_policy
@@ -117,7 +142,11 @@ def run_trial(plan: Plan | str, shape: dict[str, Any], *, batch: int, steps: int
 
     try:
         train_step(model, boosted, micros(0), next_token_loss)  # warm-up: states built
-        memory = measure_memory(model, boosted, get_policy(model).blocks(model), micros(1)[0])
+        if ctx.plan.pp > 1:
+            memory = measure_pipeline_memory(model, boosted, micros(1))
+        else:
+            memory = measure_memory(model, boosted, get_policy(model).blocks(model),
+                                    micros(1)[0])
         for s in range(warmup):
             train_step(model, boosted, micros(2 + s), next_token_loss)
         times = []
@@ -128,4 +157,5 @@ def run_trial(plan: Plan | str, shape: dict[str, Any], *, batch: int, steps: int
     finally:
         del model, boosted, optimizer
         gc.collect()
-    return {"plan": ctx.plan.to_string(), "step_s": times, "memory": memory}
+    return {"plan": ctx.plan.to_string(), "step_s": times, "memory": memory,
+            "stage": ctx.coord("pp")}

@@ -2,8 +2,9 @@
 
 - ``predict(plan, model, hardware)``: peak memory per rank and tier (parameters, gradients,
   optimizer states, activations, buffers) and step time (compute, communication with overlap,
-  optimizer, overhead) of dp/ZeRO, 1D tensor, 2D / 2.5D grid and sequence-parallel plans,
-  from formulas checked against ``shared/REFERENCES.md``.
+  optimizer, overhead, pipeline bubble) of dp/ZeRO, 1D tensor, 2D / 2.5D grid,
+  sequence-parallel and pipeline plans (gpipe, 1f1b, interleaved, zbv), from formulas checked
+  against ``shared/REFERENCES.md``.
 - ``recommend(model, world_size, memory_budget_bytes, hardware)``: the fastest runnable plan
   within the budget, with the reasons in words.
 - ``PROFILES`` (A100, H100, H200 nodes) and ``calibrate(pool)`` / ``calibrate_ranks(world)``,

@@ -155,14 +155,17 @@ def head_bytes(spec: ModelSpec, b: int, elem: int, tp: int = 1, sp: int = 1,
 
 def activation_bytes(spec: ModelSpec, micro_batch: int, elem: int, checkpointing: bool,
                      tp: int = 1, sp: int = 1, sp_mode: str = "none",
-                     grid: tuple[int, int] | None = None) -> dict[str, float]:
+                     grid: tuple[int, int] | None = None,
+                     layers: int | None = None) -> dict[str, float]:
     """Peak bytes kept for backward by one micro-batch on one rank, split into ``layers`` (all
     of them, or under recomputation their inputs plus one layer recomputed in backward) and
     ``head``. A layer's input is whole on every tp rank unless sequence parallelism
     (``sp_mode=split_gather``) splits it (the paper's ``2*s*b*h/t`` per layer), and split over
-    ``sp`` by the sp-axis modes. ``grid`` = (q, d): a 2D / 2.5D plan (``tp`` = d*q*q)."""
+    ``sp`` by the sp-axis modes. ``grid`` = (q, d): a 2D / 2.5D plan (``tp`` = d*q*q).
+    ``layers``: the blocks counted (a pipeline stage's), default all of the model's."""
+    n = spec.layers if layers is None else layers
     if grid is not None:
-        return grid_activation_bytes(spec, micro_batch, elem, checkpointing, *grid)
+        return grid_activation_bytes(spec, micro_batch, elem, checkpointing, *grid, layers=n)
     profile = profile_for(spec, sp_mode)
     split_gather = sp_mode == "split_gather"
     one = layer_bytes(profile, spec.seq, micro_batch, spec.hidden, spec.heads, elem, tp,
@@ -170,15 +173,15 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, elem: int, checkpointing
     if checkpointing:
         split = (tp if split_gather else 1) * sp
         kept = profile.keep * spec.seq * micro_batch * spec.hidden * elem / split
-        layers = spec.layers * kept + one
+        kept_layers = n * kept + one
     else:
-        layers = spec.layers * one
+        kept_layers = n * one
     head = head_bytes(spec, micro_batch, elem, tp, sp, sp_mode, profile)
-    return {"layers": layers, "head": head}
+    return {"layers": kept_layers, "head": head}
 
 
 def grid_activation_bytes(spec: ModelSpec, micro_batch: int, elem: int, checkpointing: bool,
-                          q: int, d: int) -> dict[str, float]:
+                          q: int, d: int, layers: int | None = None) -> dict[str, float]:
     """A 2D (d = 1) / 2.5D grid rank: every tensor of a layer as its (b/(d*q), s, h/q) block,
     so each term of the unsplit layer divides by tp = d*q*q; recomputation keeps the layer
     input's block, 2*s*b*h/tp. The grid's norms (``LayerNorm2D``, ``RMSNorm2D``) save their
@@ -188,14 +191,13 @@ def grid_activation_bytes(spec: ModelSpec, micro_batch: int, elem: int, checkpoi
     loss, /tp) or of the whole micro-batch (an HF output: the runtime gathers the logits from
     every row, column and depth before the model's own loss, as 1D gathers them whole)."""
     profile = replace(profile_for(spec), fp32_replicated=0.0)
+    n = spec.layers if layers is None else layers
     tp = d * q * q
     s, b, h = spec.seq, micro_batch, spec.hidden
     one = layer_bytes(profile, s, b, h, spec.heads, elem) / tp
-    if checkpointing:
-        layers = spec.layers * profile.keep * s * b * h * elem / tp + one
-    else:
-        layers = spec.layers * one
+    kept = profile.keep * s * b * h * elem / tp  # a layer's input under recomputation
+    kept_layers = n * kept + one if checkpointing else n * one
     per_norm = profile.replicated * elem / 2  # a layer's two norms, as in layer_bytes
     logits = spec.vocab * 4.0 / (tp if profile.vocab_parallel_loss else 1)
     head = s * b * (8 / (d * q) + h * per_norm / tp + logits)
-    return {"layers": layers, "head": head}
+    return {"layers": kept_layers, "head": head}

@@ -1,11 +1,15 @@
 """``predict(plan, model, hardware)``: peak memory per rank and tier, and step time, of a plan.
 
 The prediction is the sum of small terms (``MEMORY_TERMS``, ``TIME_TERMS``), each a function
-of one ``Setting``. 1D tensor parallelism, 2D / 2.5D grids (``grid``, ``grid_comm``) and
-sequence parallelism (split_gather, all_to_all, ring) have their terms; pipeline parallelism,
-offloading and inference join as new terms here (and leave ``NOT_MODELED``); nothing else
-changes. Until then a plan that uses them is refused with a clear message rather than predicted
-wrongly.
+of one ``Setting``. 1D tensor parallelism, 2D / 2.5D grids (``grid``, ``grid_comm``),
+sequence parallelism (split_gather, all_to_all, ring) and pipeline parallelism (``pipeline``)
+have their terms; offloading and inference join as new terms here (and leave
+``NOT_MODELED``). Until then a plan that uses them is refused with a clear message rather than
+predicted wrongly.
+
+Under pp ranks differ (``_predict_pipelined``): the terms run once per pipeline rank, the
+memory is the rank with the largest peak, the time the rank that ends the step last, with the
+schedule's idle time on that rank as "bubble" items (replayed by ``pipeline.run_schedule``).
 
 Overlap: gradient collectives start while backward still runs, so their time hides behind the
 compute of the same window (``TimeItem.window``), up to the hardware's ``overlap`` fraction of
@@ -14,29 +18,32 @@ Ring attention's K/V steps hide the same way behind attention compute alone, and
 in-flight SUMMA broadcasts behind the products of their phase (windows ``*_products``). 1D
 tensor-parallel collectives, the grid's reductions and Ulysses all-to-alls have no window: the
 next product waits for them. (Windows over the same compute do not share it: ZeRO-2/3's
-collectives and a grid's broadcasts could each claim the backward products.)
+collectives and a grid's broadcasts could each claim the backward products.) A pipeline's p2p
+sends (window ``pipeline``) are asynchronous and overlap other micro-batches; what they delay
+is on the schedule's critical path, which the replay prices as a bubble item. Under pp the
+data-parallel reduction runs after the schedule, so it has no window.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kernels_runtime.mesh.plan import Plan, PlanError
-from workbench.planner import grid_comm, memory, parallel_comm, timing
+from workbench.planner import grid_comm, memory, parallel_comm, pipeline, timing
 from workbench.planner.grid import check_grid
 from workbench.planner.hardware import HardwareProfile, get_profile
 from workbench.planner.setting import CATEGORIES, TIERS, MemoryItem, Setting, TimeItem
 from workbench.planner.spec import ModelSpec
 
 MEMORY_TERMS: list[Callable[[Setting], list[MemoryItem]]] = [
-    memory.model_states, memory.activations, memory.buffers]
+    memory.model_states, memory.activations, pipeline.activations, memory.buffers]
 TIME_TERMS: list[Callable[[Setting], list[TimeItem]]] = [
     timing.compute, timing.elementwise, timing.optimizer, timing.dp_comm,
-    parallel_comm.tp_comm, parallel_comm.sp_comm, grid_comm.grid_comm, timing.overhead]
+    parallel_comm.tp_comm, parallel_comm.sp_comm, grid_comm.grid_comm, pipeline.pp_comm,
+    timing.overhead]
 NOT_MODELED = {  # plan field -> (value that needs no term, what is missing)
-    "pp": (1, "pipeline bubble and stage activations"),
     "offload": ("none", "host/disk tier placement and PCIe traffic"),
 }
 WINDOWS = ("forward", "backward", "backward_last", "forward_attention", "backward_attention",
@@ -48,6 +55,7 @@ class Prediction:
     setting: Setting
     memory: list[MemoryItem]
     time: list[TimeItem]
+    pipeline: pipeline.PipelineSummary | None = None  # pp > 1: which ranks, the schedule
 
     @property
     def plan(self) -> Plan:
@@ -76,7 +84,10 @@ class Prediction:
 
     @property
     def measurable_bytes(self) -> float:
-        """Model states + activations kept for backward (no transient buffers)."""
+        """Model states + activations kept for backward (no transient buffers); under pp the
+        largest over the pipeline ranks."""
+        if self.pipeline is not None:
+            return max(self.pipeline.rank_measurable)
         return self.model_state_bytes + self.memory_by_category()["activations"]
 
     # ---- time -----------------------------------------------------------------------------
@@ -96,7 +107,10 @@ class Prediction:
             compute[f"{phase}_products"] = sum(
                 t.seconds for t in self.time if t.kind == "compute" and t.phase == phase
                 and ("matmuls" in t.name or t.name == "recomputation"))
-        out: dict[str, float] = {}
+        # asynchronous p2p sends overlap other micro-batches; their delay on the schedule's
+        # critical path is a "bubble" item of the prediction
+        out: dict[str, float] = {"pipeline": 0.0} if any(
+            t.window == "pipeline" for t in self.time) else {}
         for window in (*WINDOWS, None):
             items = [t for t in self.time if t.kind == "comm" and t.window == window]
             total = sum(t.seconds for t in items)
@@ -129,28 +143,38 @@ class Prediction:
         return sum(self.exposed_comm().values())
 
     @property
+    def bubble_time(self) -> float:
+        """Seconds the (time) rank idles inside a pipeline schedule; 0 without pp."""
+        return self.seconds("bubble")
+
+    @property
     def step_time(self) -> float:
         return (self.compute_time + self.seconds("optimizer") + self.seconds("overhead")
-                + self.exposed_comm_time)
+                + self.exposed_comm_time + self.bubble_time)
 
     def summary(self) -> str:
         gb = 1e9
         mem = self.memory_by_category()
         parts = ", ".join(f"{k} {v / gb:.3g}" for k, v in mem.items() if v)
+        bubble = f", pipeline bubble {self.bubble_time:.3g}" if self.pipeline else ""
         return (f"{plan_label(self.plan)}: {self.step_time:.4g} s/step (compute "
                 f"{self.compute_time:.3g}, exposed comm {self.exposed_comm_time:.3g} of "
                 f"{self.comm_time:.3g}, optimizer {self.seconds('optimizer'):.3g}, overhead "
-                f"{self.seconds('overhead'):.3g}); peak {self.peak_bytes / gb:.3g} GB per rank "
-                f"({parts})")
+                f"{self.seconds('overhead'):.3g}{bubble}); peak {self.peak_bytes / gb:.3g} GB "
+                f"per rank ({parts})")
 
 
 def plan_label(plan: Plan) -> str:
-    """Short form of a plan, e.g. ``dp=4 tp=2 sp_mode=split_gather zero=2 bf16 mb=4 ckpt`` or
-    ``dp=1 tp=8 tp_mode=2.5d tp_depth=2 zero=0 fp32`` (parses back)."""
+    """Short form of a plan, e.g. ``dp=4 tp=2 sp_mode=split_gather zero=2 bf16 mb=4 ckpt``,
+    ``dp=1 tp=8 tp_mode=2.5d tp_depth=2 zero=0 fp32`` or ``dp=2 tp=2 pp=2 schedule=interleaved
+    chunks=2 zero=1 bf16 mb=8`` (parses back)."""
     if any(getattr(plan, k) != v for k, (v, _) in NOT_MODELED.items()):
         return plan.to_string()
     label = f"dp={plan.dp}"
     label += f" tp={plan.tp}" if plan.tp > 1 else ""
+    if plan.pp > 1:
+        label += f" pp={plan.pp} schedule={plan.pp_schedule}"
+        label += f" chunks={plan.pp_chunks}" if plan.pp_schedule == "interleaved" else ""
     label += f" tp_mode={plan.tp_mode}" if plan.tp_mode != "1d" else ""
     label += f" tp_depth={plan.tp_depth}" if plan.tp_depth != 1 else ""
     label += f" sp={plan.sp}" if plan.sp > 1 else ""
@@ -166,8 +190,8 @@ def _check_modeled(plan: Plan) -> None:
                for name, (plain, what) in NOT_MODELED.items() if getattr(plan, name) != plain]
     if missing:
         raise PlanError("the cost model has no terms yet for " + "; ".join(missing)
-                        + "; it predicts dp/tp (1d, 2d, 2.5d)/sp/zero/precision/microbatches/"
-                        "checkpointing plans")
+                        + "; it predicts dp/tp (1d, 2d, 2.5d)/sp/pp/zero/precision/"
+                        "microbatches/checkpointing plans")
 
 
 def _check_shapes(plan: Plan, spec: ModelSpec) -> None:
@@ -200,6 +224,7 @@ def predict(plan: Plan | str, model: Any, hardware: HardwareProfile | str = "H10
         world_size = plan.dp * plan.tp * plan.pp * plan.sp
     plan = plan.validate(world_size, spec.plan_config())
     _check_modeled(plan)
+    pipeline.check(plan)
     _check_shapes(plan, spec)
     if not hw.supports(plan.precision):
         raise PlanError(f"precision={plan.precision} has no measured rate on {hw.name}; "
@@ -207,6 +232,35 @@ def predict(plan: Plan | str, model: Any, hardware: HardwareProfile | str = "H10
     st = Setting(plan, spec, hw, world_size)
     _ = st.micro_batch  # raises PlanError when microbatches do not divide the batch
     check_grid(st)
-    mem = [item for term in MEMORY_TERMS for item in term(st)]
-    time = [item for term in TIME_TERMS for item in term(st)]
-    return Prediction(st, mem, time)
+    if st.pp > 1:
+        return _predict_pipelined(st)
+    return Prediction(st, _memory(st), _time(st))
+
+
+def _memory(st: Setting) -> list[MemoryItem]:
+    return [item for term in MEMORY_TERMS for item in term(st)]
+
+
+def _time(st: Setting) -> list[TimeItem]:
+    return [item for term in TIME_TERMS for item in term(st)]
+
+
+def _predict_pipelined(st: Setting) -> Prediction:
+    """Every pipeline rank's terms; the memory of the rank with the largest peak, the time of
+    the rank whose schedule end plus its work after the schedule (tied embedding, data-parallel
+    reduction, optimizer, per-step overhead) is the latest, with its idle time in the schedule
+    as bubble items. Its busy time in the replay is, by construction, the sum of its compute,
+    tensor-parallel and per-micro-batch overhead items, so its step time is that end plus the
+    work after it."""
+    run = pipeline.run_schedule(st)
+    ranks = [replace(st, pp_rank=r) for r in range(st.pp)]
+    plain = [Prediction(r, _memory(r), _time(r)) for r in ranks]
+    after = [p.step_time - run.busy[r] for r, p in enumerate(plain)]
+    time_rank = max(range(st.pp), key=lambda r: run.ends[r] + after[r])
+    memory_rank = max(range(st.pp), key=lambda r: plain[r].peak_bytes)
+    summary = pipeline.PipelineSummary(
+        st.plan.pp_schedule, st.pp, st.chunks, st.microbatches, memory_rank, time_rank,
+        tuple(r.layers for r in ranks), run.held, run.busy, run.ends,
+        tuple(p.peak_bytes for p in plain), tuple(p.measurable_bytes for p in plain))
+    time = plain[time_rank].time + pipeline.bubble_items(ranks[time_rank], run)
+    return Prediction(ranks[memory_rank], plain[memory_rank].memory, time, summary)

@@ -61,7 +61,10 @@ def model_states(st: Setting) -> list[MemoryItem]:
 
 
 def activations(st: Setting) -> list[MemoryItem]:
-    """One micro-batch in flight (micro-batches run one after another)."""
+    """One micro-batch in flight (micro-batches run one after another). A pipeline stage keeps
+    several: ``pipeline.activations``."""
+    if st.pp > 1:
+        return []
     act = activation_bytes(st.spec, st.micro_batch, st.elem, st.plan.activation_checkpointing,
                            st.tp, st.sp, st.plan.sp_mode, st.grid)
     how = "layer inputs + one layer recomputed" if st.plan.activation_checkpointing else \

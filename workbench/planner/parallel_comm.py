@@ -51,17 +51,20 @@ def tp_comm(st: Setting) -> list[TimeItem]:
     t = st.tp
     if t == 1 or st.grid is not None:
         return []
-    m, layers = st.microbatches, st.spec.layers
+    m, layers = st.microbatches, st.layers
     activation = st.tokens_per_micro * st.spec.hidden * st.elem  # (b, s/sp, h) bytes
     ops = ("all_gather", "reduce_scatter") if st.sequence_parallel else ("all_reduce",)
     what = "all-gathers + reduce-scatters" if st.sequence_parallel else "all-reduces"
-    per_pass = 2 * layers * m + m  # the layers' 2 each, and the embedding's or the head's
+    # the layers' 2 each, the embedding's output in forward, the head's input gradient in
+    # backward (on a pipeline: on the first and the last stage)
+    forward = 2 * layers * m + (m if st.has_embedding else 0)
+    backward = 2 * layers * m + (m if st.has_head else 0)
 
     def item(name: str, count: int, phase: str) -> TimeItem:
         return _collective(st, name, ops, count * activation, count, "tp", t, 1, phase)
 
-    items = [item(f"tp forward {what}", per_pass, "forward"),
-             item(f"tp backward {what}", per_pass, "backward")]
+    items = [item(f"tp forward {what}", forward, "forward"),
+             item(f"tp backward {what}", backward, "backward")]
     if st.plan.activation_checkpointing:
         items.append(item(f"tp recomputed {what}", 2 * layers * m, "backward"))
     if st.sequence_parallel:
@@ -69,6 +72,8 @@ def tp_comm(st: Setting) -> list[TimeItem]:
         whole = (st.spec.layer_params - st.spec.layer_split_params) * layers * m * st.elem
         items.append(_collective(st, "tp replicated-parameter gradient all-reduces",
                                  ("all_reduce",), whole, tensors, "tp", t, 1, "backward"))
+    if not st.has_head:
+        return items
     if profile_for(st.spec).vocab_parallel_loss:
         stats = 3 * m
         items.append(_collective(st, "tp loss statistics all-reduces", ("all_reduce",),
@@ -86,7 +91,7 @@ def sp_comm(st: Setting) -> list[TimeItem]:
     sp = st.sp
     if sp == 1:
         return []
-    m, layers, spec = st.microbatches, st.spec.layers, st.spec
+    m, layers, spec = st.microbatches, st.layers, st.spec
     recompute = st.plan.activation_checkpointing
     items = []
     if not profile_for(spec).sp_head_split:  # the sequence joined before the head

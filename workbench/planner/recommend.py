@@ -5,7 +5,10 @@ Megatron sequence parallelism, sp_mode=split_gather), 2D and 2.5D grids (every q
 q x q x d shape of tp, ``grid.grid_shapes``), sequence parallelism over the sp axis (Ulysses
 all-to-all or ring attention), and data parallelism over the rest with ZeRO 0-3; each precision
 the hardware has a rate for, micro-batch counts dividing the per-rank batch, and activation
-checkpointing on or off. Pipeline stages join once the cost model has their terms. Every
+checkpointing on or off. Pipelines (``pipeline_plans``) factor it into dp x pp x tp instead:
+pp over the divisors, with 1D tp (what the runtime's stages support), every schedule (gpipe,
+1f1b, interleaved with 2 or 4 chunks per rank, zbv) the model's blocks allow, at least pp
+micro-batches, ZeRO 0 or 1. Every
 candidate goes through ``Plan.validate`` (with the model's head counts) and the cost model;
 invalid ones are kept with the reason, those over the memory budget to explain what the budget
 excluded, and if none fits the error says what the smallest plan needs.
@@ -58,18 +61,29 @@ def layouts(world_size: int) -> list[Layout]:
     return out
 
 
+def _holds(spec: ModelSpec, replicas: int, dp: int | None) -> bool:
+    """Whether ``replicas`` data-parallel replicas are asked for and can split the batch."""
+    if dp is not None and replicas != dp:
+        return False
+    return spec.batch is not None or spec.global_batch is None \
+        or spec.global_batch % replicas == 0
+
+
 def candidate_plans(world_size: int, spec: ModelSpec, precisions: tuple[str, ...],
-                    max_microbatches: int = 16, dp: int | None = None) -> list[Plan]:
+                    max_microbatches: int = 16, dp: int | None = None,
+                    pp: int | None = None) -> list[Plan]:
     """Every plan of the search space (validated later, one by one), only those with ``dp``
-    data-parallel replicas if given. Layouts whose dp does not divide a global batch are left
-    out: they cannot hold the workload at all."""
-    plans = []
+    data-parallel replicas and ``pp`` pipeline stages if given. Layouts whose dp does not
+    divide a global batch are left out: they cannot hold the workload at all."""
+    plans = pipeline_plans(world_size, spec, precisions, max_microbatches, dp) \
+        if pp != 1 else []
+    if pp is not None:
+        plans = [p for p in plans if p.pp == pp]
+        if pp > 1:
+            return plans
     for tp, sp, mode, tp_mode, depth in layouts(world_size):
         replicas = world_size // (tp * sp)
-        if dp is not None and replicas != dp:
-            continue
-        if spec.batch is None and spec.global_batch is not None \
-                and spec.global_batch % replicas:
+        if not _holds(spec, replicas, dp):
             continue
         batch = spec.local_batch(replicas)
         micro = [m for m in range(1, min(batch, max_microbatches) + 1) if batch % m == 0]
@@ -78,6 +92,37 @@ def candidate_plans(world_size: int, spec: ModelSpec, precisions: tuple[str, ...
                        tp_depth=depth, zero_stage=z, precision=p, microbatches=m,
                        activation_checkpointing=ckpt)
                   for p in precisions for z in stages for m in micro for ckpt in (False, True)]
+    return plans
+
+
+# (schedule, pp_chunks, model chunks per rank) of the pipelines tried
+SCHEDULES = (("gpipe", 1, 1), ("1f1b", 1, 1), ("interleaved", 2, 2), ("interleaved", 4, 4),
+             ("zbv", 1, 2))
+
+
+def pipeline_plans(world_size: int, spec: ModelSpec, precisions: tuple[str, ...],
+                   max_microbatches: int = 16, dp: int | None = None) -> list[Plan]:
+    """dp x pp x tp plans with pp > 1: every schedule whose pp x chunks fits the model's
+    blocks, micro-batch counts from pp up (interleaved: multiples of pp) dividing the
+    replica's batch, ZeRO 0 or 1 (a pipeline keeps gradients until its last backward, so
+    ZeRO-2/3 would only add traffic; ``Plan.validate`` refuses them)."""
+    plans = []
+    for pp in _divisors(world_size)[1:]:
+        for tp in _divisors(world_size // pp):
+            replicas = world_size // (tp * pp)
+            if not _holds(spec, replicas, dp):
+                continue
+            batch = spec.local_batch(replicas)
+            micro = [m for m in range(pp, min(batch, max_microbatches) + 1) if batch % m == 0]
+            stages = (0, 1) if replicas > 1 else (0,)
+            for name, chunks, per_rank in SCHEDULES:
+                if pp * per_rank > spec.layers:
+                    continue
+                plans += [Plan(dp=replicas, tp=tp, pp=pp, pp_schedule=name, pp_chunks=chunks,
+                               zero_stage=z, precision=p, microbatches=m,
+                               activation_checkpointing=ckpt)
+                          for p in precisions for z in stages for ckpt in (False, True)
+                          for m in micro if name != "interleaved" or m % pp == 0]
     return plans
 
 
@@ -119,6 +164,11 @@ class Recommendation:
                  f"compute-bound: {p.compute_time / p.step_time:.0%} of the step is compute, "
                  f"{p.comm_time:.3g} s of communication of which {p.exposed_comm_time:.3g} s "
                  "is not hidden behind backward")
+        if p.pipeline is not None:
+            s = p.pipeline
+            bound += (f"; pipeline bubble {p.bubble_time / p.step_time:.0%} of the step "
+                      f"({s.schedule}, {s.stages} stages, {s.microbatches} micro-batches), "
+                      f"stage {s.memory_rank} holds the most")
         if rank > 1:
             best = self.best
             slower = p.step_time / best.step_time - 1
@@ -142,16 +192,18 @@ class Recommendation:
 def _line(p: Prediction, budget: float) -> str:
     mem = p.memory_by_category()
     parts = ", ".join(f"{k} {v / GB:.3g}" for k, v in mem.items() if v)
+    bubble = f", bubble {p.bubble_time:.3g} s" if p.pipeline is not None else ""
     return (f"{plan_label(p.plan)}: {p.step_time:.4g} s/step (compute {p.compute_time:.3g} s, "
             f"exposed comm {p.exposed_comm_time:.3g} s, optimizer {p.seconds('optimizer'):.3g}"
-            f" s, overhead {p.seconds('overhead'):.3g} s); peak {p.peak_bytes / GB:.3g} GB per "
-            f"rank = {p.peak_bytes / budget:.0%} of budget ({parts} GB)")
+            f" s, overhead {p.seconds('overhead'):.3g} s{bubble}); peak {p.peak_bytes / GB:.3g} "
+            f"GB per rank = {p.peak_bytes / budget:.0%} of budget ({parts} GB)")
 
 
 def _components(p: Prediction) -> dict[str, float]:
     return {"matmuls": p.seconds("compute") - _memory_bound(p),
             "memory-bound ops": _memory_bound(p), "exposed communication": p.exposed_comm_time,
-            "optimizer": p.seconds("optimizer"), "overhead": p.seconds("overhead")}
+            "optimizer": p.seconds("optimizer"), "overhead": p.seconds("overhead"),
+            "pipeline bubble": p.bubble_time}
 
 
 def _memory_bound(p: Prediction) -> float:
@@ -190,10 +242,12 @@ def recommend(
     max_microbatches: int = 16,
     top: int = 3,
     dp: int | None = None,
+    pp: int | None = None,
     **workload: Any,
 ) -> Recommendation:
     """Rank the plans the cost model predicts (dp x tp x sp with ZeRO, 1D tp or a 2D / 2.5D
-    grid, precisions, micro-batches, checkpointing) by predicted step time under
+    grid, dp x pp x tp pipelines with their schedules, precisions, micro-batches,
+    checkpointing) by predicted step time under
     ``memory_budget_bytes`` per rank (default: the hardware's device memory) and explain the
     ``top`` ones.
 
@@ -203,7 +257,8 @@ def recommend(
     strong-scaling question of the tensor-parallelism papers. (A 2.5D grid's depth is data
     parallelism over replicated weight blocks, so with dp free it competes with dp x 2D: the
     same blocks, gradients summed per micro-batch in the compute dtype instead of once per
-    step in fp32.) Raises ``NoPlanFitsError`` naming the smallest need when nothing fits.
+    step in fp32.) ``pp`` fixes the pipeline stages the same way (``pp=1``: no pipeline).
+    Raises ``NoPlanFitsError`` naming the smallest need when nothing fits.
     """
     spec = per_step_workload(ModelSpec.from_config(model_config, **workload), world_size)
     hw = get_profile(hardware)
@@ -218,9 +273,10 @@ def recommend(
         notes.append("fp16 left out: no faster than bf16 here, and it needs loss scaling")
     valid: list[Prediction] = []
     invalid: list[tuple[Plan, str]] = []
-    if dp is not None:
-        notes.append(f"only plans with dp={dp} were considered")
-    for plan in candidate_plans(world_size, spec, precisions, max_microbatches, dp):
+    for name, value in (("dp", dp), ("pp", pp)):
+        if value is not None:
+            notes.append(f"only plans with {name}={value} were considered")
+    for plan in candidate_plans(world_size, spec, precisions, max_microbatches, dp, pp):
         try:
             valid.append(predict(plan, spec, hw, world_size))
         except PlanError as err:

@@ -3,14 +3,24 @@
 A term is a plain function ``Setting -> list[item]``. Keeping terms this small and uniform is
 what lets tensor, pipeline and sequence parallelism, offloading and inference join later as new
 functions in the lists of ``cost_model.py`` without touching the existing ones.
+
+Under pipeline parallelism ranks differ, so a ``Setting`` describes one pipeline rank
+(``pp_rank``), or one of its model chunks (``chunk``): its blocks (``layers``), whether it holds
+the embeddings (``has_embedding``) and the head (``has_head``), and its parameters. The blocks
+of each virtual stage are the runtime's own split (``kernels_runtime.parallel.pipeline``:
+equal blocks balanced over pp x chunks stages, placed by the schedule's ``Placement``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 
 from kernels_runtime.mesh.plan import Plan, PlanError
+from kernels_runtime.mesh.validation import pipeline_chunks
+from kernels_runtime.parallel.pipeline.partition import partition
+from kernels_runtime.parallel.pipeline.schedules import Placement
 from workbench.planner.hardware import HardwareProfile
 from workbench.planner.spec import ModelSpec
 
@@ -19,12 +29,23 @@ CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 TIERS = ("device", "host", "disk")
 
 
+@lru_cache(maxsize=256)
+def stage_blocks(layers: int, stages: int) -> tuple[range, ...]:
+    """Blocks of each virtual stage: the runtime's partition of equal blocks (``partition``)."""
+    return tuple(partition([1.0] * layers, stages))
+
+
 @dataclass(frozen=True)
 class Setting:
+    """One rank's view of a plan. Derived shapes are cached on the instance (a frozen
+    dataclass: ``replace`` makes a new one), since every term reads them."""
+
     plan: Plan  # validated: dp resolved
     spec: ModelSpec
     hw: HardwareProfile
     world: int
+    pp_rank: int = 0  # the pipeline rank described (pp > 1)
+    chunk: int | None = None  # one model chunk of that rank; None: all of them
 
     @property
     def dp(self) -> int:
@@ -59,6 +80,45 @@ class Setting:
         over it."""
         return self.dp * self.sp
 
+    # ---- pipeline stages -------------------------------------------------------------------
+    @property
+    def pp(self) -> int:
+        return self.plan.pp
+
+    @cached_property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank (V of interleaved, 2 under zbv, else 1)."""
+        return pipeline_chunks(self.plan) if self.pp > 1 else 1
+
+    @cached_property
+    def placement(self) -> Placement:
+        return Placement(self.pp, self.chunks, v_shape=self.plan.pp_schedule == "zbv"
+                         and self.pp > 1)
+
+    @cached_property
+    def virtual_stages(self) -> tuple[int, ...]:
+        """The virtual stages this setting covers: the rank's chunks, or the one chunk."""
+        chunks = range(self.chunks) if self.chunk is None else (self.chunk,)
+        return tuple(self.placement.stage(self.pp_rank, c) for c in chunks)
+
+    @cached_property
+    def layers(self) -> int:
+        """Transformer blocks this setting computes and holds: all of them without a pipeline."""
+        if self.pp == 1:
+            return self.spec.layers
+        ranges = stage_blocks(self.spec.layers, self.placement.stages)
+        return sum(len(ranges[v]) for v in self.virtual_stages)
+
+    @cached_property
+    def has_embedding(self) -> bool:
+        """Runs the embeddings (virtual stage 0)."""
+        return self.pp == 1 or 0 in self.virtual_stages
+
+    @cached_property
+    def has_head(self) -> bool:
+        """Runs the final norm, the output head and the loss (the last virtual stage)."""
+        return self.pp == 1 or self.placement.stages - 1 in self.virtual_stages
+
     @property
     def sequence_parallel(self) -> bool:
         """Megatron sequence parallelism inside the tp group: what tp leaves whole (norms,
@@ -90,11 +150,16 @@ class Setting:
         """Parameters of the whole model."""
         return self.spec.param_count
 
-    @property
+    @cached_property
     def psi_local(self) -> float:
-        """Parameters of this rank's tensor-parallel shard: what ZeRO shards further."""
+        """Parameters of this rank's tensor-parallel shard (under a pipeline: of its stages,
+        whatever ``chunk``): what ZeRO shards further."""
         if self.grid is not None:
             return self.spec.grid_params_per_rank(self.grid[0])
+        if self.pp > 1:
+            rank = Setting(self.plan, self.spec, self.hw, self.world, self.pp_rank)
+            return self.spec.stage_params_per_rank(self.tp, rank.layers, rank.has_embedding,
+                                                   rank.has_head)
         return self.spec.params_per_rank(self.tp)
 
     @property

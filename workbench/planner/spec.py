@@ -175,6 +175,24 @@ class ModelSpec:
                                           + self.embedding_params)
         return local
 
+    def stage_params_per_rank(self, tp: int, layers: int, first: bool, last: bool) -> float:
+        """Parameters of one pipeline rank holding ``layers`` blocks (1D tp shards): the first
+        stage adds the token (vocabulary rows padded to tp) and position embeddings, the last
+        the final norm and the output head, which under tied embeddings is a copy of the token
+        embedding (the runtime keeps it on both stages and sums its gradient) unless one rank
+        holds both. Scaled like ``params_per_rank`` when a ``params`` count is given."""
+        token = -(-self.vocab // tp) * self.hidden
+        local = layers * self.layer_params_per_rank(tp)
+        if first:
+            local += token + self.positions * self.hidden
+        if last:
+            local += self.final_norm_params + (token if not (self.tied_embeddings and first)
+                                               else 0)
+        if self.params:
+            return self.params * local / (self.layers * self.layer_params
+                                          + self.embedding_params)
+        return local
+
     # ---- under 2D / 2.5D tensor parallelism (kernels_runtime/parallel/tensor/grid) ---------
     @property
     def layer_products(self) -> list[tuple[int, int]]:

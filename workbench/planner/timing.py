@@ -47,14 +47,16 @@ def compute(st: Setting) -> list[TimeItem]:
     4*s*h per layer for attention; backward twice that; recomputation one more layer forward.
     Tensor parallelism, 1D or on a grid, divides every product (and attention's heads, on a
     grid also the samples) by tp; a rank of the sp axis computes its s/sp tokens (against all
-    s keys, by ring steps or whole heads)."""
+    s keys, by ring steps or whole heads). A pipeline stage computes its own blocks, and the
+    head only on the last stage."""
     spec, precision, t = st.spec, st.plan.precision, st.tp
     tokens = st.tokens_per_micro * st.microbatches
-    layers = spec.layers * 2 * spec.layer_matmul_params * tokens / t
+    layers = st.layers * 2 * spec.layer_matmul_params * tokens / t
     # this runtime joins the sequence before the head: every sp rank computes all its logits
     joined = st.sp > 1 and not profile_for(spec).sp_head_split
-    head = 2 * spec.vocab * spec.hidden * tokens * (st.sp if joined else 1) / t
-    attention = spec.layers * 4 * spec.seq * spec.hidden * tokens / t
+    head = 2 * spec.vocab * spec.hidden * tokens * (st.sp if joined else 1) / t \
+        if st.has_head else 0.0
+    attention = st.layers * 4 * spec.seq * spec.hidden * tokens / t
     fwd, bwd = st.hw.forward_flops(precision), st.hw.backward_flops(precision)
     att_fwd, att_bwd = st.hw.attention_rates(precision)
     items = [
@@ -75,12 +77,14 @@ def elementwise(st: Setting) -> list[TimeItem]:
     """Memory-bound ops (norms, activation functions, residual adds, copies, fresh memory),
     proportional to the bytes kept for backward without recomputation."""
     kept = activation_bytes(st.spec, st.micro_batch, st.elem, False, st.tp, st.sp,
-                            st.plan.sp_mode, st.grid)
+                            st.plan.sp_mode, st.grid, layers=st.layers)
+    if not st.has_head:
+        kept["head"] = 0.0
     seconds = (kept["layers"] + kept["head"]) * st.microbatches \
         / st.hw.activation_rate[st.plan.precision]
     items = [TimeItem("forward memory-bound ops", "compute", seconds / 3, phase="forward"),
              TimeItem("backward memory-bound ops", "compute", 2 * seconds / 3, phase="backward")]
-    if st.plan.activation_checkpointing:
+    if st.plan.activation_checkpointing and seconds:
         share = kept["layers"] / (kept["layers"] + kept["head"])
         items.append(TimeItem("recomputed memory-bound ops", "compute", share * seconds / 3,
                               phase="backward"))
@@ -107,12 +111,15 @@ def dp_comm(st: Setting) -> list[TimeItem]:
     each block's parameters before its forward and again before its backward, every
     micro-batch, and reduces gradients once (1.5x the traffic of an all-reduce). Each rank
     moves its tensor-parallel shard. Under sequence parallelism on the sp axis the data ranks
-    are dp x sp (their replicas hold the same parameters): one ring over them.
+    are dp x sp (their replicas hold the same parameters): one ring over them. Under a pipeline
+    (zero 0 or 1) each stage reduces its own parameters once every backward of the step is
+    done, so nothing hides the reduction (no window).
     """
     n, stage, m = st.data_ranks, st.plan.zero_stage, st.microbatches
     if n == 1:
         return []
-    stride = st.plan.tp * st.plan.pp  # dp x sp ranks lie tp apart (pp: not modeled yet)
+    stride = st.plan.tp * st.plan.pp  # dp ranks lie tp x pp apart (sp replicas: tp apart)
+    last = "backward_last" if st.pp == 1 else None
     axis = "dp_sp" if st.sp > 1 else "dp"
     grads, params = st.psi_local * 4.0, st.psi_local * float(st.elem)
     buckets = bucket_count(st.psi_local) if stage < 3 else st.spec.layers + 1
@@ -124,9 +131,9 @@ def dp_comm(st: Setting) -> list[TimeItem]:
                         nbytes=times * nbytes, note=op)
 
     if stage == 0:
-        return [item("gradient all-reduce", "all_reduce", grads, 1, "backward_last")]
+        return [item("gradient all-reduce", "all_reduce", grads, 1, last)]
     if stage == 1:
-        return [item("gradient reduce-scatter", "reduce_scatter", grads, 1, "backward_last"),
+        return [item("gradient reduce-scatter", "reduce_scatter", grads, 1, last),
                 item("parameter all-gather", "all_gather", params, 1, None)]
     if stage == 2:
         return [item("gradient reduce-scatter", "reduce_scatter", grads, m, "backward"),
@@ -137,8 +144,15 @@ def dp_comm(st: Setting) -> list[TimeItem]:
 
 
 def overhead(st: Setting) -> list[TimeItem]:
+    """Per step, per micro-batch (per model chunk of a pipeline rank: each is a forward of
+    its own) and per layer and micro-batch."""
     ov = st.hw.overhead_for(st.plan.zero_stage)
-    m = st.microbatches
     return [TimeItem("fixed overhead", "overhead",
-                     ov.step + m * (ov.micro + st.spec.layers * ov.layer),
+                     ov.step + micro_overhead(st),
                      note="per step + per micro-batch + per layer and micro-batch")]
+
+
+def micro_overhead(st: Setting) -> float:
+    """The part of ``overhead`` spent inside forwards and backwards (a pipeline's actions)."""
+    ov = st.hw.overhead_for(st.plan.zero_stage)
+    return st.microbatches * (ov.micro * len(st.virtual_stages) + st.layers * ov.layer)

@@ -3,7 +3,10 @@
 The tuner offers every field, including combinations the runtime refuses: moving a control to
 an impossible plan must show why (``Plan.validate``'s own words), not hide the option. Choices
 are the values a user would try for the pool's world size; anything else is one ``Plan.parse``
-away in a ``%%colossal --plan`` line.
+away in a ``%%colossal --plan`` line. The pipeline's controls (stages, schedule, chunks per
+rank, micro-batches) are plain fields like the others: the prediction and a measured trial
+follow whatever they say, and ``Plan.validate`` explains the combinations a pipeline refuses
+(fewer micro-batches than stages, chunks without interleaved, ZeRO-2/3).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ LABELS = {  # field -> what the control says
     "precision": "precision",
     "microbatches": "micro-batches",
     "pp_schedule": "pp schedule",
+    "pp_chunks": "pp chunks (interleaved)",
     "activation_checkpointing": "activation checkpointing",
 }
 
@@ -56,6 +60,7 @@ def choices(world_size: int) -> dict[str, list[tuple[str, Any]]]:
     out.update(dp=[("auto", None), *degrees], tp=degrees, pp=degrees, sp=degrees,
                tp_depth=[(str(d), d) for d in (1, 2, 4)],
                zero_stage=[(str(z), z) for z in range(4)],
+               pp_chunks=[(str(c), c) for c in (1, 2, 3, 4)],
                microbatches=[(str(m), m) for m in (1, 2, 4, 8, 16)])
     return out
 

@@ -64,12 +64,28 @@ def prediction_html(p: Prediction, hardware: str, budget: float | None = None) -
                 + [size(peak[tier])] for tier in TIERS]
     memory = _table(["tier", *CATEGORIES, "total"], mem_rows)
     exposed = p.exposed_comm_time
+    bubble = [seconds(p.bubble_time)] if p.pipeline is not None else []
     time_rows = [[seconds(p.compute_time), seconds(exposed), seconds(p.comm_time - exposed),
-                  seconds(p.seconds("optimizer")), seconds(p.seconds("overhead")),
+                  seconds(p.seconds("optimizer")), seconds(p.seconds("overhead")), *bubble,
                   seconds(p.step_time)]]
     timing = _table(["compute", "exposed comm", "hidden comm", "optimizer", "overhead",
-                     "step"], time_rows)
-    return f"{header}<div>{memory}</div><div style='margin-top:4px'>{timing}</div>"
+                     *(["pipeline bubble"] if bubble else []), "step"], time_rows)
+    return (f"{header}<div>{memory}</div><div style='margin-top:4px'>{timing}</div>"
+            f"{pipeline_html(p)}")
+
+
+def pipeline_html(p: Prediction) -> str:
+    """Under pp: the schedule's shape per stage, and which stage the numbers above are of."""
+    s = p.pipeline
+    if s is None:
+        return ""
+    share = p.bubble_time / p.step_time if p.step_time else 0.0
+    return (f"<div class='workbench-pipeline' style='margin-top:4px'>pipeline: "
+            f"<b>{html.escape(s.schedule)}</b> over {s.stages} stages, {s.chunks} chunk(s) per "
+            f"rank, {s.microbatches} micro-batches: bubble <b>{share:.1%}</b> of the step; "
+            f"blocks per stage {list(s.blocks)}, micro-batch chunks in flight per stage "
+            f"{list(s.held)}; memory of stage {s.memory_rank} (the largest: "
+            f"{', '.join(size(b) for b in s.rank_peak)}), time of stage {s.time_rank}</div>")
 
 
 def trials_html(trials: list[Trial]) -> str:

@@ -7,8 +7,11 @@ private name, removed at the end.
 
 A tp or sp plan runs like any other: the trial gets the samples of one data-parallel replica
 (``Setting.local_batch``), which its tp and sp ranks share, and the prediction it is compared
-with carries the tp/sp terms. A plan ``parallelize`` refuses fails on every rank; its first
-line (the runtime's own message) becomes the trial row's error.
+with carries the tp/sp terms. A pp plan trains with the pipeline: every stage of a replica
+gets its micro-batches and runs the plan's schedule; stages hold different memory, so the
+measured bytes are the largest stage's, as the prediction's are. A plan ``parallelize``
+refuses fails on every rank; its first line (the runtime's own message) becomes the trial
+row's error.
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ def trial_code(prediction: Prediction, steps: int, warmup: int) -> str:
 def measure(pool: Any, prediction: Prediction, hardware: str, *, steps: int = 3,
             warmup: int = 1, timeout_s: float = 300.0) -> Trial:
     """Run the predicted plan on every rank of ``pool``; step time is the median over steps of
-    the slowest rank, memory is rank 0's (ranks hold equal shares)."""
+    the slowest rank, memory is rank 0's (ranks hold equal shares), under pp the largest
+    stage's."""
     trial = Trial(plan_label(prediction.plan), hardware, prediction.step_time,
                   prediction.measurable_bytes, steps=steps)
     run_cell(pool, trial_code(prediction, steps, warmup), stream=lambda *_: None,
@@ -86,7 +90,7 @@ def measure(pool: Any, prediction: Prediction, hardware: str, *, steps: int = 3,
     per_rank = [r[RESULT_NAME] for r in results]
     times = [max(r["step_s"][i] for r in per_rank) for i in range(steps)]
     trial.measured_step_s = statistics.median(times)
-    mem = per_rank[0]["memory"]
-    trial.measured_bytes = float(mem["params"] + mem["grads"] + mem["optimizer"]
-                                 + mem["activations"])
+    totals = [float(m["params"] + m["grads"] + m["optimizer"] + m["activations"])
+              for m in (r["memory"] for r in per_rank)]
+    trial.measured_bytes = max(totals) if prediction.plan.pp > 1 else totals[0]
     return trial

@@ -1,9 +1,11 @@
 """``workbench.tune(model)``: the plan tuner widget.
 
-Every plan field is a control. Each change re-validates the plan and re-predicts its memory per
-tier and step time (plain arithmetic, instant); an impossible plan shows ``Plan.validate``'s
-message instead. "Measure" runs a few real steps of the plan on the pool and adds measured
-beside predicted to the trials table; "Use this plan" makes it the default of later
+Every plan field is a control, the pipeline's too (stages, schedule, chunks per rank,
+micro-batches). Each change re-validates the plan and re-predicts its memory per tier and step
+time (plain arithmetic, instant; under pp with the schedule's bubble and the largest stage's
+memory); an impossible plan shows ``Plan.validate``'s message instead. "Measure" runs a few
+real steps of the plan on the pool (a pp plan trains through its pipeline schedule) and adds
+measured beside predicted to the trials table; "Use this plan" makes it the default of later
 ``%%colossal`` cells; "Recommend" moves the controls to ``workbench.recommend``'s choice.
 
 Buttons act only when the kernel is idle (browser-to-kernel widget events wait for it), so a
