@@ -24,6 +24,7 @@ The lists are plain tuples with no torch, so schedules are checked and replayed
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -116,6 +117,7 @@ def interleaved(p: int, m: int, chunks: int) -> Schedule:
     return Schedule("interleaved", Placement(p, chunks), tuple(orders))
 
 
+@functools.lru_cache(maxsize=256)  # schedules are immutable; planners ask for the same ones
 def zero_bubble_v(p: int, m: int, costs: tuple[float, float, float] = (1.0, 1.0, 1.0)
                   ) -> Schedule:
     """ZB-V by list scheduling with the (F, B, W) cost of a chunk action (unit costs unless
