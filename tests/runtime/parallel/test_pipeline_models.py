@@ -239,6 +239,7 @@ def _with_dropout(rank: int, world: int, plan: str) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 def test_dropout_masks_do_not_depend_on_the_schedule_or_the_split(ranks):
     runs = {plan: ranks(2).run(_with_dropout, plan)[0] for plan in (
         "pp=2 mb=4", "pp=2 mb=4 pp_schedule=gpipe", "pp=2 mb=4 pp_schedule=zbv",

@@ -117,9 +117,14 @@ def _plan(pp: int, schedule: str, rest: str = "") -> str:
     return f"pp={pp} mb={MICRO} pp_schedule={schedule}{chunks} {rest}".strip()
 
 
+SLOW = pytest.mark.slow  # the other half runs in make test, not test-fast
+
+
 @pytest.mark.parametrize("kind, schedule", [
-    ("gpt2", "1f1b"), ("llama", "1f1b"), ("gpt2", "gpipe"), ("llama", "gpipe"),
-    ("gpt2", "interleaved"), ("llama", "interleaved"), ("gpt2", "zbv"), ("llama", "zbv")])
+    ("gpt2", "1f1b"), pytest.param("llama", "1f1b", marks=SLOW),
+    pytest.param("gpt2", "gpipe", marks=SLOW), ("llama", "gpipe"),
+    pytest.param("gpt2", "interleaved", marks=SLOW), ("llama", "interleaved"), ("gpt2", "zbv"),
+    pytest.param("llama", "zbv", marks=SLOW)])
 def test_two_stages_match_one_process(ranks, kind, schedule):
     results = ranks(2).run(_pipelined, kind, _plan(2, schedule), timeout_s=300)
     _check(results, _reference(kind))
@@ -134,8 +139,9 @@ def test_four_stages_match_one_process(ranks, kind, schedule):
 
 
 @pytest.mark.parametrize("kind, schedule, rest", [
-    ("gpt2", "1f1b", "tp=2"), ("llama", "1f1b", "tp=2"), ("gpt2", "1f1b", "dp=2"),
-    ("llama", "1f1b", "dp=2 zero=1"), ("gpt2", "1f1b", "sp=2 sp_mode=ring"),
+    ("gpt2", "1f1b", "tp=2"), pytest.param("llama", "1f1b", "tp=2", marks=SLOW),
+    pytest.param("gpt2", "1f1b", "dp=2", marks=SLOW), ("llama", "1f1b", "dp=2 zero=1"),
+    pytest.param("gpt2", "1f1b", "sp=2 sp_mode=ring", marks=SLOW),
     ("llama", "zbv", "sp=2 sp_mode=all_to_all")])
 def test_pipelines_compose_with_tensor_data_and_sequence_parallelism(ranks, kind, schedule,
                                                                      rest):
