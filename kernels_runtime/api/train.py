@@ -4,9 +4,9 @@ The micro-batches run through the model's schedule (``schedule.py``: in sequence
 pipeline's); then the optimizer steps and the loss is averaged over data-parallel ranks, the
 one host synchronization of the step. Every step is recorded in the telemetry of the
 optimizer's context (``ctx.telemetry``): tokens and samples counted from the micro-batches,
-model FLOPs estimated from the parameter count, and the step time split into compute
-(forward/backward and the optimizer step, marked as compute regions), communication and
-waiting (definitions in ``kernels_runtime.telemetry.split``).
+model FLOPs estimated from the parameter count, and the step time split into compute,
+communication and waiting (measured blocking: receives, barriers, late peers; definitions in
+``kernels_runtime.telemetry.split``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Per-rank telemetry: counters and samples of memory, communication and throughput.
+"""Per-rank telemetry: counters and samples of memory, communication and throughput, and the
+last pipeline step's timeline.
 
 The lowest layer of the runtime and free of torch: probes and publishing are injected, so
 ``torchrun`` scripts, pool engines and the notebook side (which imports ``TELEMETRY_KEY``) all
@@ -9,6 +10,8 @@ from kernels_runtime.telemetry.flops import model_shape, training_flops_per_toke
 from kernels_runtime.telemetry.publisher import Publisher
 from kernels_runtime.telemetry.split import StepSplitter, StepTiming
 from kernels_runtime.telemetry.telemetry import TELEMETRY_KEY, StepRecord, Telemetry, host_memory
+from kernels_runtime.telemetry.timeline import compact_timeline
 
 __all__ = ["TELEMETRY_KEY", "Publisher", "StepRecord", "StepSplitter", "StepTiming",
-           "Telemetry", "host_memory", "model_shape", "training_flops_per_token"]
+           "Telemetry", "compact_timeline", "host_memory", "model_shape",
+           "training_flops_per_token"]

@@ -1,4 +1,5 @@
-"""One rank's telemetry: memory per tier, communication, throughput and the step-time split.
+"""One rank's telemetry: memory per tier, communication, throughput, the step-time split and
+the last pipeline step's timeline.
 
 The notebook polls ranks through ipyparallel's datapub, which keeps only the latest value per
 key, so everything published is cumulative (a lost or repeated reading costs nothing and rates
@@ -13,13 +14,15 @@ published under ``TELEMETRY_KEY``::
              host_rss, host_peak, disk_spill}                       host tier, disk tier
     comm: {op: {group: {calls, bytes, seconds, blocked}}}           ``CommStats``, cumulative
     comm_by_axis: {group: {calls, bytes, seconds, blocked}}         the same, summed over ops
+    p2p_by_axis: {group: {sent, received}}      point-to-point bytes (ops send, recv), cumulative
     recent: [{step, seconds, compute, comm, waiting, tokens, samples, flops}, ...]
+    pipeline: the last pipeline step's timeline (``timeline.py``), or None: none in this cell
 
 Group names are the mesh axes (dp, pp, sp, tp) or "world". Tokens and samples are this rank's
 own (its data-parallel shard), so FLOP/s is this rank's achieved model FLOP/s.
 
-No torch here: the probes (memory, a device-event timer) and the ``CommStats`` are injected, so
-the notebook side can import the schema, and the class is testable in a plain process.
+No torch here: the memory probe and the ``CommStats`` are injected, so the notebook side can
+import the schema, and the class is testable in a plain process.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ from typing import Any
 
 from kernels_runtime.telemetry.flops import model_shape, training_flops_per_token
 from kernels_runtime.telemetry.publisher import Publisher, Send
-from kernels_runtime.telemetry.split import DeviceTimer, StepSplitter
+from kernels_runtime.telemetry.split import StepSplitter
+from kernels_runtime.telemetry.timeline import compact_timeline
 
 TELEMETRY_KEY = "colossal_telemetry"
 MemoryProbe = Callable[[], dict[str, int]]
+P2P_OPS = {"send": "sent", "recv": "received"}
 
 
 @dataclass(frozen=True)
@@ -64,10 +69,11 @@ def host_memory() -> dict[str, int]:
 class Telemetry:
     """Counters and samples of one rank; see the module docstring for what is published.
 
-    ``comm_stats`` is the rank's ``CommStats`` (duck-typed: ``snapshot()``,
-    ``blocked_seconds()``). Record steps with ``with telemetry.step(tokens=..., samples=...):``
-    around each step, or ``telemetry.tick(tokens=..., samples=...)`` once at the end of each
-    (the first tick after a pause only starts the clock); ``train_step`` does it by itself.
+    ``comm_stats`` is the rank's ``CommStats`` (duck-typed: ``snapshot()``, ``totals()``).
+    Record steps with ``with telemetry.step(tokens=..., samples=...):`` around each step, or
+    ``telemetry.tick(tokens=..., samples=...)`` once at the end of each (the first tick after
+    a pause only starts the clock); ``train_step`` does it by itself.
+    Time is compute unless the collectives or ``with telemetry.waiting():`` say otherwise.
     """
 
     def __init__(
@@ -75,7 +81,6 @@ class Telemetry:
         comm_stats: Any = None,
         *,
         memory: MemoryProbe | None = None,
-        device_timer: DeviceTimer | None = None,
         publisher: Send | None = None,
         min_interval_s: float = 0.25,
         window: int = 32,
@@ -85,22 +90,22 @@ class Telemetry:
         self.memory = memory or host_memory
         self.flops_per_token: float | None = None  # set to override the model-based estimate
         self.disk_spill_bytes = 0
-        self.splitter = StepSplitter(self._blocked, clock, device_timer)
+        self.splitter = StepSplitter(self._counters, clock)
         self.publisher = Publisher(publisher, min_interval_s, clock)
         self.recent: deque[StepRecord] = deque(maxlen=window)
         self.last_published: dict[str, Any] | None = None
+        self.pipeline: dict[str, Any] | None = None  # the last pipeline step's, compacted
         self._totals = dict.fromkeys(("steps", "tokens", "samples", "flops"), 0)
         self._seconds = dict.fromkeys(("step", "compute", "comm", "waiting"), 0.0)
         self._models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._published_state: tuple | None = None
 
-    def configure(self, *, memory: MemoryProbe | None = None,
-                  device_timer: DeviceTimer | None = None) -> None:
-        """Install the rank's device probes (the session does, from its accelerator)."""
+    def configure(self, *, memory: MemoryProbe | None = None, device_timer: Any = None) -> None:
+        """Install the rank's memory probe (the session does, from its accelerator).
+
+        ``device_timer`` is accepted and unused: compute is no longer timed by regions."""
         if memory is not None:
             self.memory = memory
-        if device_timer is not None:
-            self.splitter.device_timer = device_timer
 
     def set_publisher(self, send: Send | None) -> None:
         """Publish through ``send`` (e.g. datapub) from now on, from the calling thread only."""
@@ -108,8 +113,18 @@ class Telemetry:
 
     # ---- recording ----------------------------------------------------------------------
     def compute(self) -> contextlib.AbstractContextManager[None]:
-        """``with telemetry.compute():`` around forward/backward/optimizer work of a step."""
-        return self.splitter.compute()
+        """Marks compute for the reader only: compute is what is neither communication nor
+        waiting, so unmarked time already counts as compute (``split.py``)."""
+        return contextlib.nullcontext()
+
+    def waiting(self) -> contextlib.AbstractContextManager[None]:
+        """``with telemetry.waiting():`` around a wait the collectives cannot see, such as
+        fetching the next batch: that time counts as waiting, not compute."""
+        return self.splitter.waiting()
+
+    def record_pipeline(self, timeline: dict[str, Any]) -> None:
+        """The pipeline executor's timeline of the step now running (``timeline.py``)."""
+        self.pipeline = compact_timeline(timeline, step=self._totals["steps"] + 1)
 
     @contextlib.contextmanager
     def step(self, tokens: int = 0, samples: int = 0,
@@ -150,9 +165,11 @@ class Telemetry:
 
     def pause(self) -> None:
         """Time from now until the next step begins belongs to no step (idle between cells,
-        evaluation); it also starts a new throughput window."""
+        evaluation); it also starts a new throughput window and forgets the pipeline
+        timeline (a cell without a pipeline shows none)."""
         self.splitter.pause()
         self.recent.clear()
+        self.pipeline = None
 
     def record_disk_spill(self, nbytes: int) -> None:
         """Offload code reports bytes written to (positive) or freed from (negative) disk."""
@@ -176,11 +193,15 @@ class Telemetry:
         """The current figures as plain Python values (picklable, JSON-able)."""
         comm = self.comm_stats.snapshot() if self.comm_stats is not None else {}
         by_axis: dict[str, dict[str, float]] = {}
-        for groups in comm.values():
+        p2p: dict[str, dict[str, float]] = {}
+        for op, groups in comm.items():
             for group, counters in groups.items():
                 into = by_axis.setdefault(group, dict.fromkeys(counters, 0))
                 for k, v in counters.items():
                     into[k] += v
+                if op in P2P_OPS:
+                    p2p.setdefault(group, {"sent": 0, "received": 0})[P2P_OPS[op]] += \
+                        counters.get("bytes", 0)
         window = list(self.recent)
         seconds = sum(r.seconds for r in window)
 
@@ -194,8 +215,8 @@ class Telemetry:
             "seconds": dict(self._seconds),
             "throughput": {"samples_per_s": rate("samples"), "tokens_per_s": rate("tokens"),
                            "flops_per_s": rate("flops"), "steps": len(window)},
-            "memory": memory, "comm": comm, "comm_by_axis": by_axis,
-            "recent": [asdict(r) for r in window],
+            "memory": memory, "comm": comm, "comm_by_axis": by_axis, "p2p_by_axis": p2p,
+            "recent": [asdict(r) for r in window], "pipeline": self.pipeline,
             "publish_errors": self.publisher.errors,
         }
 
@@ -221,5 +242,10 @@ class Telemetry:
         calls = self.comm_stats.totals()["calls"] if self.comm_stats is not None else 0
         return (self._totals["steps"], calls, self.disk_spill_bytes)
 
-    def _blocked(self) -> float:
-        return self.comm_stats.blocked_seconds() if self.comm_stats is not None else 0.0
+    def _counters(self) -> dict[tuple[str, str], tuple[float, float]]:
+        """(op, group) -> cumulative (bytes, blocked seconds), what the step split reads."""
+        if self.comm_stats is None:
+            return {}
+        return {(op, group): (c["bytes"], c["blocked"])
+                for op, groups in self.comm_stats.snapshot().items()
+                for group, c in groups.items()}

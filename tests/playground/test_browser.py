@@ -7,7 +7,11 @@ plot under the training cell gains points while that cell is still running, the 
 dashboard page gains points while it runs too, no cell ends in an error, and the sidebar's
 Start (for the notebook's kernel, with no pool running) and Stop buttons work. Then the plan
 tuner widget: choosing values in its dropdowns in the browser (browser-to-kernel widget
-events) re-predicts the plan, and an impossible choice shows ``Plan.validate``'s words.
+events) re-predicts the plan, and an impossible choice shows ``Plan.validate``'s words. And a
+pipeline: while a ``%%colossal --plan "pp=2 mb=4"`` cell trains an ``nn.Sequential`` over two
+stages, the stage timeline (one row per pipeline rank, a bar per forward and backward) is drawn
+both in the live plot under the cell and on the extension's dashboard page, and the dashboard
+page's communication chart names the pipeline's point-to-point traffic.
 Screenshots go to ``artifacts/browser/``.
 
 "While running" is judged inside the page: a sampler (setInterval, 200 ms) records the plot's
@@ -21,7 +25,9 @@ where a missing browser is a failure.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -86,7 +92,10 @@ def _require_browser() -> None:
         pytest.skip(reason)
 
 
-def test_quickstart_runs_in_jupyterlab_with_live_plots(tmp_path):
+@contextlib.contextmanager
+def _lab_page(tmp_path: Path, failure: str) -> Iterator[tuple]:
+    """(page, server): JupyterLab on a copy of the notebooks, in Chromium. On a failure the
+    page is saved as ``failure`` and the browser console and the server log join the error."""
     _require_browser()
     from playwright.sync_api import sync_playwright
 
@@ -100,10 +109,9 @@ def test_quickstart_runs_in_jupyterlab_with_live_plots(tmp_path):
             page = context.new_page()
             page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
             try:
-                _run_quickstart(page, server)
-                _move_tuner_controls(page, server)
+                yield page, server
             except BaseException:
-                page.screenshot(path=str(ARTIFACTS / "failure.png"))
+                page.screenshot(path=str(ARTIFACTS / failure))
                 raise
             finally:
                 browser.close()
@@ -113,6 +121,12 @@ def test_quickstart_runs_in_jupyterlab_with_live_plots(tmp_path):
             + f"\n--- workbench lab log ---\n{server.log_tail(30)}") from err
     finally:
         stop_lab(server)
+
+
+def test_quickstart_runs_in_jupyterlab_with_live_plots(tmp_path):
+    with _lab_page(tmp_path, "failure.png") as (page, server):
+        _run_quickstart(page, server)
+        _move_tuner_controls(page, server)
 
 
 def _run_quickstart(page, server) -> None:
@@ -223,3 +237,115 @@ def _move_tuner_controls(page, server) -> None:
     assert error.inner_text() == ("dp*tp*pp*sp = 4*1*1*1 = 4 but the pool has 2 ranks; make "
                                   "the product 2, or write dp=auto")
     page.screenshot(path=str(ARTIFACTS / "6-tuner-invalid-plan.png"))
+
+
+PIPELINE_CELL = """%%colossal --plan "pp=2 mb=4" --dashboard
+import time
+import torch
+from torch import nn
+from kernels_runtime.api import parallelize, train_step
+from kernels_runtime.mesh.context import ParallelContext
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                      nn.Linear(16, 2))
+model, opt = parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         ctx=ParallelContext.build(plan, comm), verbose=False)
+
+def mse(m, batch):
+    return nn.functional.mse_loss(m(batch[0]), batch[1])
+
+for step in range(60):  # paced, so the plots have time to move
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
+    result = train_step(model, opt, list(zip(x.chunk(4), y.chunk(4))), mse)
+    time.sleep(0.25)
+print(f"pipeline trained {step + 1} steps, loss {result.loss:.4f}")"""
+
+# Bars of the stage timeline: in the notebook the plot titled "pipeline stages" under the
+# cell (the dashboard's second figure), on the page its #stages chart.
+STAGE_SAMPLER = """() => {
+  window.__stages = [];
+  setInterval(() => {
+    const cell = [...document.querySelectorAll('.jp-CodeCell')]
+      .find(c => c.textContent.includes('pp=2 mb=4'));
+    const plot = cell && [...cell.querySelectorAll('.js-plotly-plot')]
+      .find(p => (p.querySelector('.gtitle') || {}).textContent?.startsWith('pipeline stages'));
+    window.__stages.push({
+      bars: plot ? plot.querySelectorAll('.barlayer .point').length : 0,
+      prompt: cell ? cell.querySelector('.jp-InputPrompt').textContent : ''
+    });
+  }, 200);
+}"""
+PAGE_STAGE_SAMPLER = """() => {
+  window.__stages = [];
+  setInterval(() => {
+    const el = document.getElementById('stages');
+    window.__stages.push({
+      bars: el.hidden ? 0 : el.querySelectorAll('.barlayer .point').length,
+      running: document.getElementById('status').dataset.cellRunning
+    });
+  }, 200);
+}"""
+STAGES_WHILE_RUNNING = """() => {
+  const el = document.getElementById('stages');
+  return !el.hidden && el.querySelectorAll('.barlayer .point').length > 0
+    && document.getElementById('status').dataset.cellRunning === 'true';
+}"""
+
+
+def test_stage_timeline_while_a_pipeline_cell_runs(tmp_path):
+    import nbformat
+
+    with _lab_page(tmp_path, "failure-pipeline.png") as (page, server):
+        cells = ["%load_ext workbench\n%colossal start -n 2", PIPELINE_CELL, "%colossal stop"]
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                     "language": "python"}
+        nbformat.write(nb, server.root / "pipeline_check.ipynb")
+        page.goto(f"{server.url}/lab/tree/pipeline_check.ipynb?token={server.token}")
+        page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90 * MS)
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
+                               timeout=60 * MS)
+        page.click(".jp-SideBar.jp-mod-left .lm-TabBar-tab[data-id='colossal-workbench-sidebar']")
+        sidebar = page.locator("#colossal-workbench-sidebar")
+        sidebar.locator(".jp-Colossal-active").wait_for(timeout=30 * MS)
+        page.evaluate(STAGE_SAMPLER)
+        page.click(".lm-MenuBar-itemLabel:text-is('Run')")
+        page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
+
+        pool = sidebar.locator(".jp-Colossal-pool[data-ranks='2']")
+        pool.wait_for(timeout=120 * MS)
+        href = pool.locator(".jp-Colossal-dashboardLink").get_attribute("href")
+        dash = page.context.new_page()
+        dash.goto(href if href.startswith("http") else server.url + href)
+        dash.wait_for_selector("#status[data-state]:not([data-state=''])", timeout=30 * MS)
+        dash.evaluate(PAGE_STAGE_SAMPLER)
+        dash.wait_for_function(STAGES_WHILE_RUNNING, timeout=180 * MS)
+        dash.screenshot(path=str(ARTIFACTS / "7-stage-timeline-dashboard-page.png"),
+                        full_page=True)
+        dash.locator("#comm .legendtext", has_text="pp p2p (sent)").wait_for(timeout=10 * MS)
+
+        cell = page.locator(".jp-CodeCell", has_text="pp=2 mb=4")
+        stages = cell.locator(".js-plotly-plot", has=page.locator(
+            ".gtitle", has_text="pipeline stages"))
+        stages.locator(".barlayer .point").first.wait_for(state="attached", timeout=60 * MS)
+        stages.scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "8-stage-timeline-notebook.png"))
+
+        last_prompt = page.locator(".jp-CodeCell .jp-InputPrompt").last
+        page.wait_for_function("el => /\\[\\d+\\]/.test(el.textContent)",
+                               arg=last_prompt.element_handle(), timeout=180 * MS)
+        errors = page.locator("[data-mime-type='application/vnd.jupyter.error']")
+        assert errors.count() == 0, errors.first.inner_text()
+        assert "pipeline trained 60 steps" in page.locator(".jp-Notebook").inner_text()
+
+        notebook = [s for s in page.evaluate("window.__stages") if "*" in s["prompt"]]
+        drawn = [s["bars"] for s in notebook if s["bars"] > 0]
+        # 2 ranks x (4 forwards + 4 backwards), plus the idle bars of the receive waits
+        assert drawn and max(drawn) >= 16, f"no stage timeline under the running cell: {drawn}"
+        on_page = [s["bars"] for s in dash.evaluate("window.__stages")
+                   if s["running"] == "true" and s["bars"] > 0]
+        assert on_page and max(on_page) >= 16, f"no stage timeline on the page: {on_page}"
+        print(f"while the pipeline cell ran: {len(drawn)} samples with the stage timeline in "
+              f"the notebook, {len(on_page)} on the dashboard page")

@@ -2,7 +2,9 @@
 
 What is protected: a pool started outside a kernel writes nothing unless asked; with
 publishing on, the file follows the pool through start, a cell (busy, telemetry, idle), stop
-and removal; a file of a dead process is never listed and gets deleted; a malformed pool id
+and removal; a pipeline cell's file carries the stage timeline as the very traces the
+notebook's figure draws, and the pipeline's point-to-point bytes apart from its collectives;
+a file of a dead process is never listed and gets deleted; a malformed pool id
 cannot name a file; the server extension module does not import torch; ``workbench lab``
 builds the JupyterLab command the README promises.
 """
@@ -77,6 +79,42 @@ def test_file_follows_the_pool_through_a_cell(runtime):
     assert read_pool(f.pool_id)["state"] == "stopped"
     f.remove()
     assert read_pools() == []
+
+
+def _pipeline_snapshot(rank: int) -> dict:
+    from kernels_runtime.telemetry import compact_timeline
+
+    events = [{"kind": kind, "chunk": 0, "mb": mb, "stage": rank, "start": 0.01 * i,
+               "end": 0.01 * i + 0.008, "wait": 0.002 * rank}
+              for i, (kind, mb) in enumerate((k, mb) for k in "FB" for mb in range(4))]
+    snap = _snapshot(2, 2)["colossal_telemetry"]
+    snap.update(comm_by_axis={"pp": {"bytes": 1004}}, p2p_by_axis={"pp": {
+        "sent": 500, "received": 500}}, pipeline=compact_timeline({
+            "schedule": "1f1b", "stage": rank, "stages": 2, "chunks": 1, "microbatches": 4,
+            "step_seconds": 0.09, "waited_seconds": 0.016 * rank, "bubble": 0.18 * rank,
+            "p2p_bytes": 500, "events": events}, step=1))
+    return {"colossal_telemetry": snap}
+
+
+def test_a_pipeline_cell_carries_its_stage_timeline(runtime):
+    from workbench.dashboard.figures import build_stage_figure
+
+    f = PoolStateFile(enabled=True, min_interval_s=0.0)
+    f.update("running")
+    f.cell_started("pipeline", [0, 1])
+    f.cell_data({0: _snapshot(1, 1), 1: _snapshot(1, 1)})
+    assert read_pool(f.pool_id)["cell"]["stages"] is None  # no pipeline yet: no panel
+    f.cell_data({r: _pipeline_snapshot(r) for r in (0, 1)}, final=True)
+    cell = read_pool(f.pool_id)["cell"]
+    stages = cell["stages"]
+    assert stages["title"].endswith("bubble: rank 0 0%, rank 1 18%")
+    assert stages["yaxis"]["categoryarray"] == ["rank 0 · stage 0", "rank 1 · stage 1"]
+    figure = build_stage_figure(f.history, widget=False)
+    drawn = {t.name: (list(t.y), list(t.base), list(t.text)) for t in figure.data}
+    assert {t["name"]: (t["y"], t["base"], t["text"]) for t in stages["traces"]} == drawn
+    assert cell["series"]["p2p_bytes"] == {"pp": [0, 1000]}  # sent, summed over ranks
+    assert cell["series"]["comm_bytes"]["pp"] == [0, 8]  # the collectives alone
+    assert cell["latest"]["1"]["p2p_bytes"] == {"pp": 500}
 
 
 def test_writes_during_a_cell_are_rate_limited(runtime):

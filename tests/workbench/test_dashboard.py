@@ -4,7 +4,12 @@ What is protected: after a ``%%colossal`` training run (dp=2, real engines, gloo
 value equals the runtime's own counters on rank 0 and rank 1 (CommStats per axis, the last
 published telemetry snapshot); the figure changes several times while a cell is still running;
 ``--dashboard``/``--no-dashboard``/auto decide when it is shown; the history stays bounded;
-``to_html`` writes a standalone report holding the plot data.
+``to_html`` writes a standalone report holding the plot data. Under a real pp=2 pipeline a
+shown dashboard gains the stage timeline while the cell runs: one row per pipeline rank, a bar
+per forward and backward labelled by micro-batch where the rank's own published timeline
+says, the receive waits as idle bars and each rank's bubble in the title, and the pipeline's
+point-to-point bytes as their own "p2p: pp" line equal to the sends the ranks counted; the
+report holds the timeline too. A run without a pipeline has no stage timeline and no p2p line.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from ipyparallel import interactive
 import workbench
 from kernels_runtime.telemetry import TELEMETRY_KEY
 from workbench.dashboard import LiveDashboard, RunHistory
-from workbench.dashboard.figures import build_figure, trace_data
+from workbench.dashboard.figures import build_figure, build_stage_figure, trace_data
 from workbench.execution import run_cell
 from workbench.magics import active_magics, active_pool
 
@@ -48,10 +53,39 @@ def batch(step):
 """
 PSI = 64 * 32 + 32 * 64 + 64
 
+PIPELINE_SETUP = """
+import time
+import torch
+from torch import nn
+from kernels_runtime.api import parallelize, train_step
+from kernels_runtime.mesh.context import ParallelContext
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                      nn.Linear(16, 2))
+model, opt = parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         ctx=ParallelContext.build(plan, comm), verbose=False)
+
+def mse(m, b):
+    return nn.functional.mse_loss(m(b[0]), b[1])
+
+def pipeline_step(step):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)  # 4 micro-batches
+    return train_step(model, opt, list(zip(x.chunk(4), y.chunk(4))), mse)
+"""
+
 
 @interactive
 def _rank_counters() -> tuple[dict, dict]:
     return globals()["session"].telemetry.last_published, globals()["comm"].stats.snapshot()
+
+
+@interactive
+def _pipeline_counters() -> tuple[dict, dict, dict]:
+    g = globals()
+    return (g["session"].telemetry.last_published, g["comm"].stats.snapshot(),
+            g["model"].parallel_state.schedule.last_timeline)
 
 
 def _snapshot(steps: int, rank: int, axis_bytes: int = 100) -> dict:
@@ -140,6 +174,8 @@ def test_dashboard_figures_equal_the_runtime_counters(shell, tmp_path, capsys) -
         assert data[name] == (labels, [p["memory"][key] for p, _ in counters])
     for part in ("compute", "comm", "waiting"):
         assert data[f"time: {part}"][1] == [p["seconds"][part] for p, _ in counters]
+    assert workbench.dashboard().stage_figure is None  # no pipeline ran
+    assert not [name for name in data if name.startswith(("stage:", "p2p:"))]
     for rank, (published, _) in enumerate(counters):
         tokens_per_s = data[f"tokens/s: rank {rank}"][1][-1]
         assert tokens_per_s == published["throughput"]["tokens_per_s"] > 0
@@ -169,3 +205,58 @@ def test_figure_changes_while_the_cell_runs(shell) -> None:
     assert live.refreshes >= 2
     throughput = seen[-1]["tokens/s: rank 0"][1]
     assert len(throughput) >= 2 and throughput[-1] > 0
+
+
+@pytest.mark.engines
+def test_stage_timeline_appears_while_a_pipeline_cell_runs(shell, tmp_path) -> None:
+    shell.run_cell_magic("colossal", '--plan "pp=2 mb=4" --no-dashboard', PIPELINE_SETUP)
+    live = LiveDashboard([0, 1], mode="on", display=lambda view: None)
+    shown: list[int] = []  # figures in the shown box, while the cell ran
+
+    def sink(data: dict, final: bool) -> None:
+        live(data, final)
+        if not final:
+            shown.append(len(live.view.widget.children))
+
+    live.start()  # shown before any pipeline step: the main figure alone
+    assert live.view.widget.children == (live.view.figure,)
+    code = "for step in range(12):\n    pipeline_step(step)\n    time.sleep(0.2)"
+    run_cell(active_pool(shell), code, stream=lambda *a: None, display=lambda *a: None,
+             data_sink=sink)
+    assert 2 in shown, f"the stage timeline never joined the shown dashboard: {shown}"
+    assert live.view.widget.children == (live.view.figure, live.view.stage_figure)
+
+    counters = active_pool(shell).view([0, 1]).apply_sync(_pipeline_counters)
+    history, fig = live.history, live.view.stage_figure
+    timelines = {}
+    for rank, (published, _, raw) in enumerate(counters):
+        assert history.latest[rank] == published  # the final flush reached the notebook
+        timeline = timelines[rank] = published["pipeline"]
+        assert timeline["stage"] == rank and timeline["schedule"] == "1f1b"
+        assert len(timeline["events"]) == len(raw["events"]) == 8  # 4 forwards, 4 backwards
+        assert timeline["p2p_bytes"] == raw["p2p_bytes"] > 0
+    bars = {t.name: t for t in fig.data if t.name.startswith("stage:")}
+    for kind in ("F (forward)", "B (backward)"):
+        bar = bars[f"stage: {kind}"]
+        for rank, timeline in timelines.items():
+            row = f"rank {rank} · stage {rank}"
+            mine = [e for e in timeline["events"] if e["kind"] == kind[0]]
+            drawn = [(b, t) for y, b, t in zip(bar.y, bar.base, bar.text) if y == row]
+            assert drawn == [(e["start"] + e["wait"], str(e["mb"])) for e in mine]
+    waits = [e for t in timelines.values() for e in t["events"] if e["wait"] > 0]
+    assert len(bars["stage: idle (waiting on a receive)"].x) == len(waits) > 0
+    for rank, timeline in timelines.items():
+        assert f"rank {rank} {timeline['bubble']:.0%}" in fig.layout.title.text
+    assert list(fig.layout.yaxis.categoryarray) == ["rank 0 · stage 0", "rank 1 · stage 1"]
+    fresh = build_stage_figure(history, widget=False)  # what the report and the lab page draw
+    assert [(t.name, t.y, t.base) for t in fresh.data] == [(t.name, t.y, t.base) for t in fig.data]
+    report = workbench.dashboard(history).to_html(tmp_path / "pipeline.html").read_text()
+    assert report.count("Plotly.newPlot") == 2 and "pipeline stages" in report
+
+    data = trace_data(live.view.figure)
+    sent = sum(groups["send"]["pp"]["bytes"] for _, groups, _ in counters)
+    assert data["p2p: pp"][1][-1] == sent > 0  # counted once, at the sender
+    collectives = sum(c["bytes"] for _, groups, _ in counters for op, by_group in groups.items()
+                      for group, c in by_group.items()
+                      if group == "pp" and op not in ("send", "recv"))
+    assert data["comm: pp"][1][-1] == collectives  # the loss all-reduce over the stages

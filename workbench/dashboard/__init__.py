@@ -1,4 +1,5 @@
-"""Live plots of what the ranks publish: memory per tier, communication, throughput.
+"""Live plots of what the ranks publish: memory per tier, communication, throughput, and a
+pipeline's stage timeline.
 
 ``%%colossal`` feeds a ``LiveDashboard`` from its waiting loop; ``workbench.dashboard()``
 shows the last run afterwards and ``.to_html(path)`` writes a standalone report. plotly is

@@ -1,16 +1,25 @@
-"""The dashboard's plotly figure, built from a ``RunHistory`` and updated in place.
+"""The dashboard's plotly figures, built from a ``RunHistory`` and updated in place.
 
 One figure, four panels, so a live update is one ``batch_update`` (one message to the browser):
 
 - memory per tier per rank, stacked (device allocated, host RSS, disk spill), latest values;
 - step time per rank, stacked (compute, communication, waiting), cumulative seconds;
-- communication bytes per mesh axis, summed over ranks, cumulative, over time;
+- communication bytes per mesh axis, summed over ranks, cumulative, over time: collectives
+  (``"comm: dp"``) and, dotted, point-to-point bytes sent (``"p2p: pp"``, a pipeline's traffic);
 - throughput per rank (tokens/s over its recent steps), over time; samples/s and achieved
   FLOP/s in the hover text.
 
+And once some rank has run a pipeline step, a second figure: the stage timeline
+(``timeline.py``), which micro-batch each pipeline rank ran when, and its bubble. It is a
+figure of its own because a shown widget does not reliably take a new subplot grid in place
+(relayouting a shown ``FigureWidget`` into five panels garbles it in JupyterLab, and replacing
+the output of a running cell detaches the old view with an error), while adding a figure
+next to the shown one is an ordinary widget operation.
+
 Values are the runtime's own numbers, unscaled (bytes, seconds), so what a figure shows can be
 checked against ``CommStats`` and ``Telemetry.snapshot()``; axes format them (``~s``: 1.2M).
-Every trace has a unique name (``"memory: host"``, ``"comm: dp"``, ``"tokens/s: rank 0"``).
+Every trace has a unique name (``"memory: host"``, ``"comm: dp"``, ``"tokens/s: rank 0"``,
+``"stage: F (forward)"``).
 """
 
 from __future__ import annotations
@@ -21,11 +30,13 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from workbench.dashboard.history import RunHistory
+from workbench.dashboard.timeline import stage_axes, stage_title, stage_traces
 
 TIERS = (("device", "device_allocated"), ("host", "host_rss"), ("disk", "disk_spill"))
 PARTS = ("compute", "comm", "waiting")
 TITLES = ("memory per tier (bytes, now)", "step time (s, cumulative)",
-          "communication per axis (bytes, all ranks)", "throughput (tokens/s, recent steps)")
+          "communication per axis (bytes, all ranks; p2p: sent)",
+          "throughput (tokens/s, recent steps)")
 
 TraceSpec = tuple[str, int, int, dict[str, Any]]  # (kind, row, col, properties)
 
@@ -44,6 +55,9 @@ def trace_specs(history: RunHistory) -> dict[str, TraceSpec]:
     t = history.times()
     for axis in history.axes():
         specs[f"comm: {axis}"] = ("line", 2, 1, {"x": t, "y": history.comm_bytes(axis)})
+    for axis in history.axes("p2p_by_axis"):
+        specs[f"p2p: {axis}"] = ("line", 2, 1, {"x": t, "y": history.p2p_bytes(axis),
+                                                "line": {"dash": "dot"}})
     for r in history.ranks:
         samples = history.rank_series(r, "samples_per_s")
         flops = history.rank_series(r, "flops_per_s")
@@ -85,6 +99,39 @@ def update_figure(fig: go.Figure, history: RunHistory) -> None:
         for trace in fig.data:
             if trace.name in specs:
                 trace.update(specs[trace.name][3])
+
+
+# ---- the stage timeline ------------------------------------------------------------------
+def _stage_layout(history: RunHistory) -> dict[str, Any]:
+    timelines = history.pipelines()
+    x, y = stage_axes(timelines)
+    return {"title": {"text": stage_title(timelines), "font": {"size": 14}}, "xaxis": x,
+            "yaxis": y, "height": 160 + 70 * len(timelines), "barmode": "overlay"}
+
+
+def build_stage_figure(history: RunHistory, widget: bool = True) -> go.Figure | None:
+    """The stage timeline of ``history`` as its own figure; None if no pipeline ran."""
+    if not history.pipelines():
+        return None
+    fig = go.Figure(layout={**_stage_layout(history), "margin": {"t": 50, "b": 40, "l": 120},
+                            "legend": {"font": {"size": 10}, "orientation": "h", "y": -0.25}})
+    for name, props in stage_traces(history.pipelines()).items():
+        fig.add_trace(go.Bar(name=name, legendgroup="stage", **props))
+    return go.FigureWidget(fig) if widget else fig
+
+
+def update_stage_figure(fig: go.Figure, history: RunHistory) -> None:
+    """Bring the stage figure up to date in one batch (a kind seen for the first time, such as
+    zbv's W, adds its trace)."""
+    traces = stage_traces(history.pipelines())
+    have = {trace.name for trace in fig.data}
+    for name, props in traces.items():
+        if name not in have:
+            fig.add_trace(go.Bar(name=name, legendgroup="stage", **props))
+    with fig.batch_update():
+        for trace in fig.data:
+            trace.update(traces.get(trace.name, {"x": [], "y": [], "base": [], "text": []}))
+        fig.update_layout(_stage_layout(history))
 
 
 def trace_data(fig: go.Figure) -> dict[str, tuple[list, list]]:

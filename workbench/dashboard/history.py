@@ -6,6 +6,10 @@ resends whole arrays on every update, so the series is bounded: beyond ``max_poi
 other point is dropped (the run's whole span stays, at half the resolution), which keeps both
 memory and each widget update small however long a run is. No plotly here, so collecting a
 history costs nothing until a figure is wanted.
+
+Bytes per axis are split in two: collective bytes (every op but point-to-point) and
+point-to-point bytes, counted once, at the sender (a pipeline's activations and gradients on
+"pp"), so that a pipeline's traffic is named as such and not summed with its receives.
 """
 
 from __future__ import annotations
@@ -26,13 +30,23 @@ class Point:
 
 def _summary(snapshot: dict[str, Any]) -> dict[str, Any]:
     tp = snapshot.get("throughput", {})
+    p2p = snapshot.get("p2p_by_axis", {})
     return {
         "tokens_per_s": tp.get("tokens_per_s", 0.0),
         "samples_per_s": tp.get("samples_per_s", 0.0),
         "flops_per_s": tp.get("flops_per_s", 0.0),
-        "comm_bytes": {axis: c.get("bytes", 0)
-                       for axis, c in snapshot.get("comm_by_axis", {}).items()},
+        "comm_bytes": collective_bytes(snapshot),
+        "p2p_bytes": {axis: c.get("sent", 0) for axis, c in p2p.items()},
     }
+
+
+def collective_bytes(snapshot: dict[str, Any]) -> dict[str, float]:
+    """Bytes per axis of one snapshot's collectives, point-to-point sends and receives left
+    out (they are ``p2p_by_axis``)."""
+    p2p = snapshot.get("p2p_by_axis", {})
+    return {axis: c.get("bytes", 0) - p2p.get(axis, {}).get("sent", 0)
+            - p2p.get(axis, {}).get("received", 0)
+            for axis, c in snapshot.get("comm_by_axis", {}).items()}
 
 
 class RunHistory:
@@ -82,9 +96,10 @@ class RunHistory:
             self.seconds = self.clock() - self.started
 
     # ---- series for the figures ---------------------------------------------------------
-    def axes(self) -> list[str]:
-        """Communication axes (process group names) any rank has used, in mesh order."""
-        names = {a for s in self.latest.values() for a in s.get("comm_by_axis", {})}
+    def axes(self, key: str = "comm_by_axis") -> list[str]:
+        """Axes (process group names) any rank has used, in mesh order: for collectives, or
+        for point-to-point traffic with ``key="p2p_by_axis"``."""
+        names = {a for s in self.latest.values() for a in s.get(key, {})}
         order = {a: i for i, a in enumerate(("dp", "pp", "sp", "tp", "world"))}
         return sorted(names, key=lambda a: (order.get(a, len(order)), a))
 
@@ -92,8 +107,17 @@ class RunHistory:
         return [p.t for p in self.points]
 
     def comm_bytes(self, axis: str) -> list[float]:
-        """Bytes moved on ``axis`` so far, summed over ranks, at each point."""
+        """Collective bytes moved on ``axis`` so far, summed over ranks, at each point."""
         return [sum(r["comm_bytes"].get(axis, 0) for r in p.ranks.values()) for p in self.points]
+
+    def p2p_bytes(self, axis: str) -> list[float]:
+        """Point-to-point bytes sent on ``axis`` so far, summed over ranks, at each point."""
+        return [sum(r["p2p_bytes"].get(axis, 0) for r in p.ranks.values()) for p in self.points]
+
+    def pipelines(self) -> dict[int, dict[str, Any]]:
+        """Rank -> the timeline of its last published pipeline step; empty without a pipeline."""
+        return {r: s["pipeline"] for r, s in sorted(self.latest.items())
+                if isinstance(s.get("pipeline"), dict)}
 
     def rank_series(self, rank: int, key: str) -> list[float]:
         """``tokens_per_s``, ``samples_per_s`` or ``flops_per_s`` of one rank at each point."""
@@ -106,7 +130,8 @@ class RunHistory:
         steps = max(s.get("steps", 0) for s in self.latest.values())
         tokens = sum(s.get("throughput", {}).get("tokens_per_s", 0.0)
                      for s in self.latest.values())
-        comm = sum(c.get("bytes", 0) for s in self.latest.values()
-                   for c in s.get("comm_by_axis", {}).values())
+        comm = sum(sum(collective_bytes(s).values())
+                   + sum(c.get("sent", 0) for c in s.get("p2p_by_axis", {}).values())
+                   for s in self.latest.values())
         return (f"colossal dashboard: ranks {self.ranks}, {steps} steps, "
                 f"{tokens:,.0f} tokens/s over all ranks, {comm / 2**20:,.1f} MiB communicated")

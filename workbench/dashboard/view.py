@@ -1,4 +1,4 @@
-"""``Dashboard``: a run's figure for the notebook (a live widget) and for a report file."""
+"""``Dashboard``: a run's figures for the notebook (live widgets) and for a report file."""
 
 from __future__ import annotations
 
@@ -10,48 +10,89 @@ from workbench.dashboard.history import RunHistory
 
 
 class Dashboard:
-    """Shows a ``RunHistory``: displays as a plotly ``FigureWidget``; ``to_html`` writes a
-    standalone report. plotly is imported on first use, not with the magics."""
+    """Shows a ``RunHistory``: displays as a box of plotly ``FigureWidget``s (the main figure,
+    and the stage timeline below it once a pipeline step has been published); ``to_html``
+    writes a standalone report. plotly is imported on first use, not with the magics."""
 
     def __init__(self, history: RunHistory) -> None:
         self.history = history
         self._widget: Any = None
+        self._stages: Any = None
+        self._box: Any = None
 
     @property
     def figure(self) -> Any:
-        """The live ``FigureWidget`` (built on first access)."""
+        """The live ``FigureWidget`` of the four main panels (built on first access)."""
         if self._widget is None:
             from workbench.dashboard.figures import build_figure
 
             self._widget = build_figure(self.history, widget=True)
         return self._widget
 
+    @property
+    def stage_figure(self) -> Any:
+        """The live ``FigureWidget`` of the stage timeline, or None while no pipeline ran."""
+        if self._stages is None:
+            from workbench.dashboard.figures import build_stage_figure
+
+            self._stages = build_stage_figure(self.history, widget=True)
+        return self._stages
+
+    @property
+    def widget(self) -> Any:
+        """What is displayed: a ``VBox`` of the figures, so the stage timeline can join a
+        shown dashboard (a new child) without redrawing or replacing the main figure."""
+        if self._box is None:
+            import ipywidgets
+
+            self._box = ipywidgets.VBox(self._figures(),
+                                        layout=ipywidgets.Layout(width="100%"))
+        return self._box
+
     def refresh(self) -> None:
-        """Push the history's current data into the widget (one batched update)."""
+        """Push the history's current data into the widgets (one batched update each); the
+        first pipeline step adds the stage timeline to a shown box."""
         if self._widget is not None:
             from workbench.dashboard.figures import update_figure
 
             update_figure(self._widget, self.history)
+        if self._stages is not None:
+            from workbench.dashboard.figures import update_stage_figure
+
+            update_stage_figure(self._stages, self.history)
+        elif self._box is not None and self.stage_figure is not None:
+            self._box.children = self._figures()
 
     def to_figure(self) -> Any:
-        """A static ``go.Figure`` of the history, e.g. to save or restyle."""
+        """A static ``go.Figure`` of the four main panels, e.g. to save or restyle."""
         from workbench.dashboard.figures import build_figure
 
         return build_figure(self.history, widget=False)
 
     def to_html(self, path: str | os.PathLike[str], include_plotlyjs: bool | str = True) -> Path:
-        """Write a standalone HTML report; plotly.js is embedded by default so the file opens
-        offline (about 4.5 MB); pass ``include_plotlyjs="cdn"`` for a small file that loads
-        it from the network."""
+        """Write a standalone HTML report, the stage timeline under the main figure if a
+        pipeline ran; plotly.js is embedded by default so the file opens offline (about 4.5
+        MB); pass ``include_plotlyjs="cdn"`` for a small file that loads it from the network."""
+        from workbench.dashboard.figures import build_stage_figure
+
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.to_figure().write_html(path, include_plotlyjs=include_plotlyjs, full_html=True)
+        page = self.to_figure().to_html(include_plotlyjs=include_plotlyjs, full_html=True)
+        stages = build_stage_figure(self.history, widget=False)
+        if stages is not None:
+            div = stages.to_html(include_plotlyjs=False, full_html=False)
+            page = page.replace("</body>", div + "</body>", 1)
+        path.write_text(page, encoding="utf-8")
         return path
 
+    def _figures(self) -> tuple[Any, ...]:
+        stages = self.stage_figure
+        return (self.figure,) if stages is None else (self.figure, stages)
+
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
-        """The widget's bundle plus a one-line ``text/plain`` for headless runs (plotly's own
-        widget bundle has none, and a figure's repr would be its whole JSON)."""
-        bundle = dict(self.figure._repr_mimebundle_())
+        """The box's widget bundle plus a one-line ``text/plain`` for headless runs (a
+        widget's own repr would be its whole state)."""
+        bundle = dict(self.widget._repr_mimebundle_())
         bundle["text/plain"] = self.history.summary()
         return bundle
 

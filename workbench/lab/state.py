@@ -9,7 +9,8 @@ waiting on a busy kernel.
 
 A file holds the pool id, the id of the kernel that owns it (from the kernel's connection file
 name ``kernel-<id>.json``), the kernel's pid, the pool's state, one row per rank, and the
-telemetry of the running (or last) ``%%colossal`` cell. Writes during a cell are rate-limited
+telemetry of the running (or last) ``%%colossal`` cell, with its pipeline stage timeline as
+plotly traces when the cell ran a pipeline. Writes during a cell are rate-limited
 (``min_interval_s``, 0.5 s) so a long training loop costs the kernel next to nothing.
 
 Files of dead processes (pid gone on this host) are stale: ``read_pools`` deletes them.
@@ -31,7 +32,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from workbench.dashboard.history import RunHistory
+from workbench.dashboard.history import RunHistory, collective_bytes
+from workbench.dashboard.timeline import stage_axes, stage_title, stage_traces
 
 log = logging.getLogger("workbench.lab.state")
 
@@ -91,7 +93,8 @@ def _cell_block(history: RunHistory, running: bool) -> dict[str, Any]:
             "seconds": snap.get("seconds", {}),
             "throughput": snap.get("throughput", {}),
             "memory": _tiers(snap.get("memory", {})),
-            "comm_bytes": {a: c.get("bytes", 0) for a, c in snap.get("comm_by_axis", {}).items()},
+            "comm_bytes": collective_bytes(snap),
+            "p2p_bytes": {a: c.get("sent", 0) for a, c in snap.get("p2p_by_axis", {}).items()},
         }
     return {
         "label": history.label, "ranks": history.ranks, "running": running,
@@ -103,8 +106,23 @@ def _cell_block(history: RunHistory, running: bool) -> dict[str, Any]:
                                       for p in points] for r in history.ranks},
             "comm_bytes": {axis: [sum(r["comm_bytes"].get(axis, 0) for r in p.ranks.values())
                                   for p in points] for axis in history.axes()},
+            "p2p_bytes": {axis: [sum(r["p2p_bytes"].get(axis, 0) for r in p.ranks.values())
+                                 for p in points] for axis in history.axes("p2p_by_axis")},
         },
+        "stages": _stages_block(history),
     }
+
+
+def _stages_block(history: RunHistory) -> dict[str, Any] | None:
+    """The stage timeline as ready plotly traces (the notebook's, from ``timeline.py``), so
+    the page draws the same bars without a second implementation; None without a pipeline."""
+    timelines = history.pipelines()
+    if not timelines:
+        return None
+    xaxis, yaxis = stage_axes(timelines)
+    traces = [{"type": "bar", "name": name, **props}
+              for name, props in stage_traces(timelines).items()]
+    return {"title": stage_title(timelines), "xaxis": xaxis, "yaxis": yaxis, "traces": traces}
 
 
 class PoolStateFile:

@@ -1,6 +1,9 @@
-// The live dashboard page: poll the pool's JSON and redraw four plotly charts.
-// Memory per tier and the step-time split are per rank (latest values); tokens/s per rank
-// and bytes per mesh axis are time series of the running (or last) %%colossal cell.
+// The live dashboard page: poll the pool's JSON and redraw four plotly charts, five when the
+// cell runs a pipeline. Memory per tier and the step-time split are per rank (latest values);
+// tokens/s per rank and bytes per mesh axis (collectives, and point-to-point bytes sent,
+// dotted) are time series of the running (or last) %%colossal cell. The pipeline stage
+// timeline comes as ready traces (workbench/dashboard/timeline.py builds them for the
+// notebook's figure too), so this page only lays it out.
 (function () {
   'use strict';
   const cfg = window.COLOSSAL;
@@ -25,7 +28,8 @@
 
   function render(doc) {
     const cell = doc.cell;
-    const series = cell ? cell.series : { t: [], tokens_per_s: {}, comm_bytes: {} };
+    const series = cell ? cell.series
+      : { t: [], tokens_per_s: {}, comm_bytes: {}, p2p_bytes: {} };
     const ranks = doc.ranks.length ? doc.ranks.map(r => r.rank)
       : (cell ? cell.ranks : []);
     const names = ranks.map(r => 'rank ' + r);
@@ -55,8 +59,14 @@
     const comm = Object.keys(series.comm_bytes).map(axis => ({
       type: 'scatter', mode: 'lines', name: axis, x: series.t, y: series.comm_bytes[axis]
     }));
+    const p2p = series.p2p_bytes || {};
+    Object.keys(p2p).forEach(axis => comm.push({
+      type: 'scatter', mode: 'lines', name: axis + ' p2p (sent)', x: series.t, y: p2p[axis],
+      line: { dash: 'dot' }
+    }));
     Plotly.react('comm', comm, layout('bytes communicated per axis', 'bytes',
       { xaxis: { title: { text: 'seconds into the cell' } } }), plotConfig);
+    renderStages(cell ? cell.stages : null);
 
     let text = doc.world_size + ' ranks, ' + stateLabel(doc);
     if (doc.error) { text += ' (' + doc.error + ')'; }
@@ -68,6 +78,17 @@
     status.dataset.state = doc.state;
     status.dataset.points = String(series.t.length);
     status.dataset.cellRunning = cell && cell.running ? 'true' : 'false';
+  }
+
+  // The pipeline stage timeline: one row per pipeline rank; hidden when no pipeline ran.
+  function renderStages(stages) {
+    const el = document.getElementById('stages');
+    el.hidden = !stages;
+    if (!stages) { return; }
+    Plotly.react('stages', stages.traces, layout(stages.title, '', {
+      barmode: 'overlay', xaxis: stages.xaxis, yaxis: stages.yaxis,
+      margin: { l: 110, r: 20, t: 40, b: 70 }, legend: { orientation: 'h', y: -0.25 }
+    }), plotConfig);
   }
 
   async function tick() {
