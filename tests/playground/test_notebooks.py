@@ -282,7 +282,11 @@ def test_pipeline_notebook_runs_every_schedule_and_measures_the_bubble(tmp_path,
     assert all(0 < measured < 1 for measured, _, _ in bubbles.values())
     rel = [float(r) for r in re.findall(r"max relative difference from 1f1b: (\S+)", text)]
     assert len(rel) == 4 and max(rel) <= 1e-5
-    for name in ("gpipe", "1f1b", "interleaved", "zbv"):
-        assert (tmp_path / "reports" / f"pipeline_{name}.html").exists()
+    for name in ("gpipe", "1f1b", "interleaved", "zbv"):  # each report has the stage figure
+        html = (tmp_path / "reports" / f"pipeline_{name}.html").read_text()
+        assert html.count("Plotly.newPlot(") == 2, name
+        assert '"stage: F (forward)"' in html and '"stage: B (backward)"' in html, name
+        assert ('"stage: W (weight grads)"' in html) == (name == "zbv"), name
+        assert '"p2p: pp"' in html, name
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o["output_type"] == "error"]
     assert not errors
