@@ -1,6 +1,6 @@
 """The facts behind ``python -m bench pipeline``, on its quick model (HF GPT-2, 8 layers, h=32)
-under pp=2 on 2 real gloo ranks (those cases are slow: one bench run), and the pieces that
-need no ranks; nothing about time is asserted.
+under pp=2 on 2 real gloo ranks (one bench run for the module, ~10 s on 2 idle cores), and
+the pieces that need no ranks; nothing about time is asserted.
 
 What is protected:
 - (no ranks) replaying gpipe, 1f1b and interleaved with unit costs gives exactly
@@ -47,7 +47,6 @@ def measured(ranks):
     return ranks(2).run(run, SHAPE, ROUNDS, STEPS, process_comm, timeout_s=600)
 
 
-@pytest.mark.slow  # one quick bench run: ~30-45 s on 2 shared cores
 def test_report_has_its_sections_and_numbers(measured, capsys):
     summary = report(measured, SHAPE, ROUNDS, STEPS)
     out = capsys.readouterr().out
@@ -61,7 +60,6 @@ def test_report_has_its_sections_and_numbers(measured, capsys):
     assert set(summary["speed"]) == set(THEIRS.values())
 
 
-@pytest.mark.slow  # one quick bench run: ~30-45 s on 2 shared cores
 def test_first_stage_holds_fewer_activations_under_1f1b(measured):
     first = next(r for r in measured if r["stage"] == 0)["peak"]
     assert first["1f1b"] < first["gpipe"]
@@ -71,7 +69,6 @@ def test_first_stage_holds_fewer_activations_under_1f1b(measured):
         assert first[theirs] == pytest.approx(first[ours], rel=0.01)
 
 
-@pytest.mark.slow  # one quick bench run: ~30-45 s on 2 shared cores
 def test_every_schedule_gives_the_same_loss(measured):
     last = next(r for r in measured if r["stage"] == SHAPE.pp - 1)["first_loss"]
     ours = [last[n] for n in OURS]
