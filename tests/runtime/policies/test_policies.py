@@ -129,7 +129,7 @@ def test_model_config_feeds_plan_validate():
     with pytest.raises(PlanError, match="neither divides the model's 4 key/value heads.*"
                                         "among 1, 2, 4, 12"):
         Plan.parse("tp=6").validate(6, odd)
-    with pytest.raises(PlanError, match="2 layers"):
+    with pytest.raises(PlanError, match="needs at least 4 blocks but the model has 2"):
         Plan.parse("pp=4 mb=4").validate(4, config)
 
 
