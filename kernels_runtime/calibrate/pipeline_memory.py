@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels_runtime.memory.saved_activations import measured_with_replay
+
 
 def _is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
@@ -112,21 +114,4 @@ class LiveSaved:
 def peak_live_bytes(step: Callable[[], None], blocks: list[nn.Module]) -> int:
     """Peak activation bytes held during ``step`` (a pipeline schedule's forwards and
     backwards), plus, with checkpointed blocks, the largest block recomputed in backward."""
-    from kernels_runtime.parallel.activation_checkpoint import (
-        apply_activation_checkpointing,
-        is_checkpointed,
-        remove_activation_checkpointing,
-    )
-
-    checkpointed = [b for b in blocks if is_checkpointed(b)]
-    with LiveSaved(blocks) as live:
-        step()
-    if not checkpointed:
-        return live.peak
-    remove_activation_checkpointing(checkpointed)
-    try:
-        with LiveSaved(blocks) as full:
-            step()
-    finally:
-        apply_activation_checkpointing(checkpointed)
-    return live.peak + full.largest_block
+    return measured_with_replay(step, blocks, LiveSaved, lambda live: live.peak)

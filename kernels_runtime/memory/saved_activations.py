@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,6 +88,15 @@ def peak_saved_bytes(step: Callable[[], None], blocks: list[nn.Module]) -> int:
     once more with checkpointing removed, which is what backward holds while recomputing it.
     ``step`` then runs twice; checkpointing is restored afterwards.
     """
+    return measured_with_replay(step, blocks, SavedActivations, lambda saved: saved.total)
+
+
+def measured_with_replay(step: Callable[[], None], blocks: list[nn.Module],
+                         meter: Callable[[list[nn.Module]], Any],
+                         value: Callable[[Any], int]) -> int:
+    """``value(meter)`` of ``step`` run under ``meter(blocks)`` (a context manager with a
+    ``largest_block``); with checkpointed blocks, plus the largest block measured once more
+    with checkpointing removed (what backward holds while it recomputes that block)."""
     from kernels_runtime.parallel.activation_checkpoint import (
         apply_activation_checkpointing,
         is_checkpointed,
@@ -94,14 +104,14 @@ def peak_saved_bytes(step: Callable[[], None], blocks: list[nn.Module]) -> int:
     )
 
     checkpointed = [b for b in blocks if is_checkpointed(b)]
-    with SavedActivations(blocks) as saved:
+    with meter(blocks) as measured:
         step()
     if not checkpointed:
-        return saved.total
+        return value(measured)
     remove_activation_checkpointing(checkpointed)
     try:
-        with SavedActivations(blocks) as full:
+        with meter(blocks) as full:
             step()
     finally:
         apply_activation_checkpointing(checkpointed)
-    return saved.total + full.largest_block
+    return value(measured) + full.largest_block
