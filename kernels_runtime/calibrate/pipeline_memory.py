@@ -17,13 +17,12 @@ at B (the cost model holds them until W).
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
 
-from kernels_runtime.memory.saved_activations import measured_with_replay
+from kernels_runtime.memory.saved_activations import BlockHookMeter, measured_with_replay
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -42,7 +41,7 @@ class _Held:
         self.owner._release(self.key)
 
 
-class LiveSaved:
+class LiveSaved(BlockHookMeter):
     """``with LiveSaved(blocks) as live: <forwards and backwards>``, then ``live.peak`` (bytes)
     and ``live.largest_block`` (the most one block forward saved)."""
 
@@ -103,12 +102,6 @@ class LiveSaved:
         self._hooks.__enter__()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self._hooks.__exit__(kind, value, tb)
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
 
 
 def peak_live_bytes(step: Callable[[], None], blocks: list[nn.Module]) -> int:

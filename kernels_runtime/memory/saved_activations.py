@@ -27,7 +27,22 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
 
 
-class SavedActivations:
+class BlockHookMeter:
+    """What every saved-tensor meter does on exit: its saved-tensor hooks off, its block hooks
+    removed (subclasses set ``_hooks`` and ``_handles``)."""
+
+    _hooks: torch.autograd.graph.saved_tensors_hooks
+    _handles: list
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._hooks.__exit__(kind, value, tb)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+class SavedActivations(BlockHookMeter):
     """``with SavedActivations(blocks) as saved: loss = model(x)``, then ``saved.total`` and
     ``saved.by_block`` (bytes per block, ``"outside"`` for the rest)."""
 
@@ -64,12 +79,6 @@ class SavedActivations:
         self._hooks.__enter__()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self._hooks.__exit__(kind, value, tb)
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
 
     @property
     def total(self) -> int:

@@ -129,18 +129,24 @@ def test_quickstart_runs_in_jupyterlab_with_live_plots(tmp_path):
         _move_tuner_controls(page, server)
 
 
-def _run_quickstart(page, server) -> None:
-    page.goto(f"{server.url}/lab/tree/00_quickstart.ipynb?token={server.token}")
+def _run_all_cells(page, server, notebook: str, sampler: str):
+    """Open ``notebook`` in the lab, open the Colossal sidebar, start ``sampler`` in the page
+    and run every cell; returns the sidebar's locator."""
+    page.goto(f"{server.url}/lab/tree/{notebook}?token={server.token}")
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90 * MS)
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
                            timeout=60 * MS)
     page.click(".jp-SideBar.jp-mod-left .lm-TabBar-tab[data-id='colossal-workbench-sidebar']")
     sidebar = page.locator("#colossal-workbench-sidebar")
     sidebar.locator(".jp-Colossal-active").wait_for(timeout=30 * MS)
-    page.evaluate(NOTEBOOK_SAMPLER)
-
+    page.evaluate(sampler)
     page.click(".lm-MenuBar-itemLabel:text-is('Run')")
     page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
+    return sidebar
+
+
+def _run_quickstart(page, server) -> None:
+    sidebar = _run_all_cells(page, server, "00_quickstart.ipynb", NOTEBOOK_SAMPLER)
 
     pool = sidebar.locator(".jp-Colossal-pool[data-ranks='2']")
     pool.wait_for(timeout=120 * MS)
@@ -303,16 +309,7 @@ def test_stage_timeline_while_a_pipeline_cell_runs(tmp_path):
         nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                      "language": "python"}
         nbformat.write(nb, server.root / "pipeline_check.ipynb")
-        page.goto(f"{server.url}/lab/tree/pipeline_check.ipynb?token={server.token}")
-        page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90 * MS)
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
-                               timeout=60 * MS)
-        page.click(".jp-SideBar.jp-mod-left .lm-TabBar-tab[data-id='colossal-workbench-sidebar']")
-        sidebar = page.locator("#colossal-workbench-sidebar")
-        sidebar.locator(".jp-Colossal-active").wait_for(timeout=30 * MS)
-        page.evaluate(STAGE_SAMPLER)
-        page.click(".lm-MenuBar-itemLabel:text-is('Run')")
-        page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
+        sidebar = _run_all_cells(page, server, "pipeline_check.ipynb", STAGE_SAMPLER)
 
         pool = sidebar.locator(".jp-Colossal-pool[data-ranks='2']")
         pool.wait_for(timeout=120 * MS)
