@@ -69,14 +69,6 @@ def _first_path(model: nn.Module, candidates: tuple[str, ...]) -> str | None:
     return next((c for c in candidates if c in names), None)
 
 
-def _no_cache_in_training(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A training forward of an HF model fills a key/value cache no stage reads (transformers
-    keeps ``use_cache`` on in training for causal LMs): 10-20% of a small stage's step."""
-    if torch.is_grad_enabled() and kwargs.get("use_cache") is None:
-        kwargs = {**kwargs, "use_cache": False}
-    return args, kwargs
-
-
 def _shared_seeds(ctx) -> BlockSeeds:
     """One base seed for the whole pipeline (drawn on its first stage, broadcast over pp)."""
     base = torch.randint(0, 2**62, (1,), dtype=torch.int64) if ctx.coord("pp") == 0 \
@@ -140,8 +132,6 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     state.schedule = PipelineRunner(
         ctx, stage_blocks, plan.pp_schedule, chunks,
         [params_before[pid] for pid in tied if pid in held] if across else [])
-    if getattr(getattr(model, "config", None), "use_cache", None) is not None:
-        model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
     if plan.pp_schedule == "zbv":  # B and W apart: the linear layers defer their dW
         state.schedule.deferred = weight_grad.DeferredGrads()
         weight_grad.install(model, state.schedule.deferred)
