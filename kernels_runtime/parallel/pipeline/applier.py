@@ -119,9 +119,11 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     across = bool(tied) and not (first and last)  # the two copies live on different ranks
     for name, p in model.named_parameters():
         layout = state.layout(name, p)
-        shared = across and id(p) in tied
+        index, count = layout.replica  # e.g. a grid's copies, then the two stages' copies
+        if across and id(p) in tied:
+            index, count = 2 * index + (0 if first else 1), 2 * count
         state.layouts[name] = replace(layout, sharded=layout.sharded | {"pp"},
-                                      replica=(0 if first else 1, 2) if shared else layout.replica)
+                                      replica=(index, count))
     held = {id(p) for p in model.parameters()}
     state.elsewhere = names_before - {n for n, _ in model.named_parameters()}
     if state.optimizer is not None:  # it is rebuilt over this stage's parameters only
