@@ -94,16 +94,18 @@ class PipelineRunner:
         return total
 
     def _measure_costs(self) -> None:
-        """After the first zbv step: the mean F, B and W time of a chunk action over the
-        pipeline (one all-reduce, so every rank derives the same order) shapes the order of
-        later steps (``schedules.zero_bubble_v``)."""
+        """After the first zbv step: the mean F, B and W time of a chunk action over all ranks
+        (one all-reduce, so every rank derives the same order) shapes the order of later
+        steps (``schedules.zero_bubble_v``)."""
         events = self.last_timeline.get("events", [])
         mean = []
         for kind in "FBW":
             times = [e["end"] - e["start"] - e["wait"] for e in events if e["kind"] == kind]
             mean.append(sum(times) / len(times) if times else 0.0)
         measured = torch.tensor(mean, dtype=torch.float64, device=self.ctx.device)
-        self.ctx.comm.all_reduce(measured, group=self.ctx.group("pp"))
+        # over every rank, not the pp group: the tp, sp and dp peers of a stage run their
+        # collectives in schedule order, so all pipelines must derive the same order
+        self.ctx.comm.all_reduce(measured, group=None)
         f, b, w = (max(v, 1e-9) for v in measured.tolist())
         self.costs = (1.0, round(b / f, 2), round(w / f, 2))  # rounded: the same on every rank
         self._schedules.clear()

@@ -89,7 +89,8 @@ def _pipelined(rank: int, world: int, kind: str, plan: str, layers: int = 4) -> 
         tied = model.transformer.wte.weight.detach().clone() \
             if hasattr(model.transformer.wte, "weight") else None
     return {"losses": losses, "placed": placed, "tied": tied, "stage": ctx.coord("pp"),
-            "timeline": state.schedule.last_timeline if state.schedule else None}
+            "timeline": state.schedule.last_timeline if state.schedule else None,
+            "costs": state.schedule.costs if state.schedule else None}
 
 
 def _check(results: list[dict], ref: dict) -> None:
@@ -109,6 +110,9 @@ def _check(results: list[dict], ref: dict) -> None:
     timeline = results[0]["timeline"]
     if timeline["schedule"] == "zbv":
         assert all(r["timeline"]["deferred_weight_grads"] > 0 for r in results)
+        # every rank orders later steps by the same measured costs: tp/sp/dp peers of a stage
+        # must run their collectives in the same order
+        assert len({r["costs"] for r in results}) == 1 and results[0]["costs"] is not None
         assert any(e["kind"] == "W" for e in timeline["events"])
 
 
