@@ -21,6 +21,7 @@ stage panel and ``bench pipeline``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -139,8 +140,8 @@ class PipelineRunner:
         if training:
             optimizer.sync.prepare_backward(False)
         seeds = self.blocks.seeds
-        forking = seeds.forking(device) if seeds is not None else _nothing()
-        with optimizer.no_sync() if training else _nothing(), forking:
+        forking = seeds.forking(device) if seeds is not None else contextlib.nullcontext()
+        with optimizer.no_sync() if training else contextlib.nullcontext(), forking:
             for action in schedule.orders[self.me]:
                 stage = place.stage(self.me, action.chunk)
                 began = time.perf_counter()
@@ -199,9 +200,10 @@ class PipelineRunner:
         if incoming is not None and incoming.is_floating_point() and torch.is_grad_enabled():
             incoming.requires_grad_()
         context = deferred.recording(action.chunk, action.mb) if deferred is not None \
-            else _nothing()
+            else contextlib.nullcontext()
         seeds = self.blocks.seeds
-        seeded = seeds.micro_batch(self.steps, action.mb) if seeds is not None else _nothing()
+        seeded = seeds.micro_batch(self.steps, action.mb) if seeds is not None \
+            else contextlib.nullcontext()
         with self.blocks.running(action.chunk, incoming, exits=not is_last), context, seeded:
             try:
                 loss = objective(model, batch)
@@ -216,7 +218,7 @@ class PipelineRunner:
                   m: int, is_last: bool, action: Action,
                   deferred: weight_grad.DeferredGrads | None) -> None:
         context = deferred.deferring(action.chunk, action.mb) if deferred is not None \
-            else _nothing()
+            else contextlib.nullcontext()
         with context:
             if is_last:
                 optimizer.backward(output / m)
@@ -244,11 +246,3 @@ class PipelineRunner:
         record = getattr(telemetry, "record_pipeline", None)
         if record is not None:
             record(self.last_timeline)
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
