@@ -64,6 +64,7 @@ def parallelize_model(
     policy: Policy | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     bucket_mb: float = 8.0,
+    spill_dir: str | None = None,
     verbose: bool = True,
 ) -> nn.Module:
     """Return ``model`` (changed in place) split under ``plan``, without an optimizer: for
@@ -84,6 +85,7 @@ def parallelize_model(
     policy = policy if policy is not None else get_policy(model)
     ctx.plan.validate(ctx.world_size, policy.model_config(model))
     state = ParallelState(ctx=ctx, policy=policy, optimizer=optimizer, bucket_mb=bucket_mb,
+                          spill_dir=spill_dir,
                           blocks=policy.blocks(model))
     refusals = [why for _, check, _ in APPLIERS if (why := check(state, model)) is not None]
     if refusals:
@@ -121,19 +123,23 @@ def parallelize(
     policy: Policy | None = None,
     max_grad_norm: float | None = None,
     bucket_mb: float = 8.0,
+    spill_dir: str | None = None,
     verbose: bool = True,
 ) -> tuple[nn.Module, BoostedOptimizer]:
     """Return the model (changed in place) and a ``BoostedOptimizer`` wrapping ``optimizer``.
 
     ``parallelize_model`` with the optimizer: pass a fresh one, since it is rebuilt over the
     runtime's own (flat, sharded) tensors with the same class and per-group hyperparameters.
+    ``spill_dir`` is where an offloading plan's disk tier writes (default
+    ``$WORKBENCH_SPILL_DIR``, else a folder under Jupyter's runtime folder).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"parallelize takes a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}; for a model without one (evaluation, "
                         "inference) use parallelize_model(model, plan)")
     model = parallelize_model(model, plan, ctx=ctx, comm=comm, policy=policy,
-                              optimizer=optimizer, bucket_mb=bucket_mb, verbose=verbose)
+                              optimizer=optimizer, bucket_mb=bucket_mb, spill_dir=spill_dir,
+                              verbose=verbose)
     state = parallel_state(model)
     assert state is not None and state.grad_sync is not None
     boosted = BoostedOptimizer(optimizer, state.grad_sync, state.grad_sync.ctx,

@@ -1,20 +1,103 @@
-"""The offload applier (last in ``parallelize``'s order): placement of model-state chunks on
-device, host or disk. Plans with offload other than none are refused until placement lands."""
+"""The offload applier (last in ``parallelize``'s order): model-state chunks placed on device,
+host or disk under ``offload=static|auto``.
+
+It builds the ``ChunkGradSync`` (``chunk_sync.py``) over what the earlier appliers left (tensor-
+parallel shards keep their layouts; sp ranks are data replicas), the tiers it moves payloads
+between, and the placement. The spill directory is created here, before the first step, so a
+directory on tmpfs or one that cannot be written is an error at ``parallelize`` time.
+"""
 
 from __future__ import annotations
 
+import itertools
+import shutil
+import weakref
+from pathlib import Path
+
+import torch.distributed as dist
 from torch import nn
 
+from kernels_runtime.comm.accelerator import Accelerator
+from kernels_runtime.memory.chunk_sync import ChunkGradSync
+from kernels_runtime.memory.disk import DiskStore
+from kernels_runtime.memory.spill import SpillDir, spill_root
+from kernels_runtime.memory.tiers import TierStore
 from kernels_runtime.parallel.state import ParallelState
 
 
 def check(state: ParallelState, model: nn.Module) -> str | None:
+    """Offload lays out training state; a model without an optimizer (evaluation, inference)
+    keeps its weights on the device for now."""
     offload = state.ctx.plan.offload
-    if offload != "none":
-        return (f"offload={offload} is not available yet; every state stays on the device "
-                "(remove offload from the plan)")
+    if offload != "none" and state.optimizer is None:
+        return (f"offload={offload} places training state (parameters, gradients, optimizer "
+                "states); parallelize_model without an optimizer keeps weights on the device: "
+                "remove offload from the plan")
     return None
 
 
 def apply(model: nn.Module, state: ParallelState) -> nn.Module:
+    plan = state.ctx.plan
+    if plan.offload == "none" or state.optimizer is None:
+        return model
+    ctx = state.ctx.fold_sp()
+    accelerator = Accelerator.for_backend(dist.get_backend())
+    folder = _model_folder(state.spill_dir, ctx.rank) if _may_spill(plan) else None
+    store = TierStore(accelerator, disk=(lambda: DiskStore(folder)) if folder else None)
+    device_budget = plan.device_mem if plan.device_mem is not None \
+        else accelerator.total_memory()
+    sync = ChunkGradSync(
+        model, state.optimizer, ctx, state.layouts, blocks=state.blocks,
+        zero_stage=plan.zero_stage, precision=plan.precision, store=store,
+        placer_args={"mode": plan.offload, "device_budget": device_budget,
+                     "host_budget": plan.host_mem},
+        chunk_mb=chunk_mb(state.chunk_mb, device_budget, plan.host_mem),
+        replaced=state.replaced_params)
+    sync.spill_folder = folder
+    if folder is not None:  # the model's files go with it (its rank's folder at exit)
+        weakref.finalize(sync, _remove, store, folder)
+    if plan.offload == "static":
+        sync.place_homes({"params": plan.offload_params, "grads": plan.offload_grads,
+                          "optim": plan.offload_optim}, plan.host_mem)
+    else:
+        sync.placer.enforce()
+        store.reset_step_counters()
+    state.grad_sync = sync
+    state.model_state = sync
+    state.applied.append("offload")
     return model
+
+
+def chunk_mb(default: float, *budgets: int | None) -> float:
+    """Chunks small enough that a tier's budget holds several (a step works on a few at once:
+    a gathered chunk, its gradient buffer, a prefetched one), at most ``default``."""
+    given = [b for b in budgets if b]
+    if not given:
+        return default
+    return min(default, min(given) / 16 / 2**20)
+
+
+# One spill folder per rank process and root (a process resource, like its process groups):
+# every model parallelized in the process spills into a sub-folder of its own.
+_RANK_FOLDERS: dict[tuple[Path, int], SpillDir] = {}
+_MODELS = itertools.count()
+
+
+def _model_folder(spill_dir: str | None, rank: int) -> Path:
+    root = spill_root(spill_dir)
+    key = (root.resolve(), rank)
+    if key not in _RANK_FOLDERS:
+        _RANK_FOLDERS[key] = SpillDir(root, rank=rank)
+    folder = _RANK_FOLDERS[key].path / f"model-{next(_MODELS)}"
+    folder.mkdir(mode=0o700)
+    return folder
+
+
+def _remove(store: TierStore, folder: Path) -> None:
+    store.close()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _may_spill(plan) -> bool:
+    """Disk is used only beyond a host budget."""
+    return plan.host_mem is not None

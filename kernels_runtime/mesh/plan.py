@@ -13,12 +13,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from kernels_runtime.mesh.sizes import format_bytes, parse_bytes
+
 TP_MODES = ("1d", "2d", "2.5d")
 SP_MODES = ("none", "split_gather", "all_to_all", "ring")
 PRECISIONS = ("fp32", "bf16", "fp16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
 OFFLOADS = ("none", "auto", "static")
 AXES = ("dp", "pp", "sp", "tp")  # mesh axis order, outermost first
+SIZE_FIELDS = ("device_mem", "host_mem")
+FRACTION_FIELDS = ("offload_params", "offload_grads", "offload_optim")
 
 _ALIASES = {
     "zero": "zero_stage",
@@ -56,6 +60,13 @@ class Plan:
     sp_mode: str = "none"
     zero_stage: int = 0
     offload: str = "none"
+    # per-rank budgets of offload=auto|static in bytes (device_mem=2GiB); beyond both, disk
+    device_mem: int | None = None
+    host_mem: int | None = None
+    # offload=static: the share (0 to 1) of each kind of model state kept off the device
+    offload_params: float = 0.0
+    offload_grads: float = 0.0
+    offload_optim: float = 0.0
     precision: str = "fp32"
     microbatches: int = 1
     pp_schedule: str = "1f1b"
@@ -99,6 +110,10 @@ class Plan:
                 continue
             if isinstance(v, bool):
                 v = "on" if v else "off"
+            elif f.name in SIZE_FIELDS:
+                v = format_bytes(v)
+            elif f.name in FRACTION_FIELDS:
+                v = _fraction(v)
             items.append(f"{f.name}={v}")
         return " ".join(items) or "dp=auto"
 
@@ -116,8 +131,25 @@ class Plan:
         return replace(self, **changes)
 
 
+def _fraction(value: float) -> str:
+    """Shortest text that parses back to the same float: 0.5, 1, 0.125 (``:g`` would round)."""
+    text = repr(float(value))
+    return text[:-2] if text.endswith(".0") else text
+
+
 def _convert(name: str, raw: str) -> Any:
     """Convert one ``key=value`` string to the field's type, with a clear error."""
+    if name in SIZE_FIELDS:
+        try:
+            return parse_bytes(raw)
+        except ValueError as e:
+            raise PlanError(f"{name}={raw!r}: {e}") from None
+    if name in FRACTION_FIELDS:
+        try:
+            return float(raw)
+        except ValueError:
+            raise PlanError(f"{name}={raw!r} is not a number between 0 and 1 "
+                            f"(e.g. {name}=0.5)") from None
     if name == "dp" and raw.lower() == "auto":
         return None
     if name == "activation_checkpointing":

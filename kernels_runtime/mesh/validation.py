@@ -11,14 +11,17 @@ from dataclasses import replace
 from typing import Any
 
 from kernels_runtime.mesh.plan import (
+    FRACTION_FIELDS,
     OFFLOADS,
     PP_SCHEDULES,
     PRECISIONS,
+    SIZE_FIELDS,
     SP_MODES,
     TP_MODES,
     Plan,
     PlanError,
 )
+from kernels_runtime.mesh.sizes import format_bytes
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -37,6 +40,42 @@ def _config_value(config: Any, *names: str) -> int | None:
         if v is not None:
             return int(v)
     return None
+
+
+def _check_offload(plan: Plan) -> None:
+    """Budgets and fractions belong to an offloading plan, which keeps gradient and optimizer
+    shards in chunks (zero 2 or 3; at dp=1 too: one rank offloading to its host)."""
+    fractions = {n: getattr(plan, n) for n in FRACTION_FIELDS}
+    for name, value in fractions.items():
+        if not 0.0 <= value <= 1.0:
+            raise PlanError(f"{name}={value:g} is the share of that state kept off the device: "
+                            f"give a number from 0 to 1 (e.g. {name}=0.5)")
+        if value > 0 and plan.offload != "static":
+            raise PlanError(f"{name}={value:g} needs offload=static (or leave the placement to "
+                            "offload=auto with device_mem=...)")
+    if plan.offload == "static" and not any(fractions.values()):
+        raise PlanError("offload=static with nothing to offload: set offload_params, "
+                        "offload_grads and/or offload_optim (0 to 1)")
+    for name in SIZE_FIELDS:
+        value = getattr(plan, name)
+        if value is not None and plan.offload == "none":
+            raise PlanError(f"{name}={format_bytes(value)} is a budget for offload=auto or "
+                            "static; add offload=auto")
+    if plan.device_mem is not None and plan.device_mem <= 0:
+        raise PlanError(f"device_mem={plan.device_mem}: the device must hold at least the chunk "
+                        "being computed; give a size such as device_mem=256MiB")
+    if plan.host_mem is not None and plan.host_mem < 0:
+        raise PlanError(f"host_mem={plan.host_mem} is negative: give a size such as "
+                        "host_mem=1GiB, or host_mem=0 to send everything off the device to disk")
+    if plan.offload == "none":
+        return
+    # pp first: a pipeline refuses zero=2/3 too, so "use zero=2" would only lead to another error
+    if plan.pp > 1:
+        raise PlanError(f"offload with pipeline parallelism (pp={plan.pp}) is not available "
+                        "yet: use pp=1 or offload=none")
+    if plan.zero_stage not in (2, 3):
+        raise PlanError(f"offload={plan.offload} with zero={plan.zero_stage}: offload keeps each "
+                        "rank's gradient and optimizer shards in chunks: use zero=2 or zero=3")
 
 
 def check_plan(plan: Plan, world_size: int, model_config: Any = None) -> Plan:
@@ -67,7 +106,8 @@ def check_plan(plan: Plan, world_size: int, model_config: Any = None) -> Plan:
             f"the pool has {world_size} ranks; make the product {world_size}, or write dp=auto"
         )
     _check_tensor_mode(plan)
-    if plan.zero_stage and plan.dp * plan.sp == 1:  # sp ranks are data replicas for ZeRO
+    _check_offload(plan)
+    if plan.zero_stage and plan.dp * plan.sp == 1 and plan.offload == "none":
         raise PlanError(
             f"zero={plan.zero_stage} shards model states over data-parallel ranks, but dp=1; "
             "use zero=0 or raise dp"

@@ -6,7 +6,7 @@ live. The step is the same for every strategy:
 
     finish gradient sync -> unscale (fp16) and agree on overflow across every rank that steps
     -> clip by the global norm across every shard and replica axis -> inner optimizer step on
-    fp32 masters -> publish parameters
+    fp32 masters and publish parameters (``GradSync.optimizer_step``)
 """
 
 from __future__ import annotations
@@ -76,9 +76,7 @@ class BoostedOptimizer:
         shards = self.sync.master_grads()
         grads = [s.tensor for s in shards]
         if isinstance(self.scaler, DynamicLossScaler):
-            inv = 1.0 / self.scaler.scale
-            for g in grads:
-                g.mul_(inv)
+            self.sync.scale_grads(shards, 1.0 / self.scaler.scale)
             if any_rank_overflowed(has_inf_or_nan(grads), self.ctx):
                 self.scaler.update(True)
                 self.steps_skipped += 1
@@ -87,8 +85,7 @@ class BoostedOptimizer:
             self.scaler.update(False)
         if self.max_grad_norm is not None:
             self._last_norm = self._clip(shards, self.max_grad_norm)
-        self.inner.step()
-        self.sync.publish()
+        self.sync.optimizer_step(self.inner)
         self.steps_taken += 1
         self.zero_grad()
         return True
@@ -110,8 +107,7 @@ class BoostedOptimizer:
         """Scale gradients by min(1, max_norm / (norm + 1e-6)) on the device: no host sync."""
         norm = global_grad_norm_tensor(shards, self.ctx)
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for s in shards:
-            s.tensor.mul_(coef)
+        self.sync.scale_grads(shards, coef)
         return norm
 
     def memory_breakdown(self) -> dict[str, int]:
@@ -148,21 +144,9 @@ class BoostedOptimizer:
         self.steps_skipped = state["steps_skipped"]
 
     def materialize_state(self) -> None:
-        """Create the inner optimizer's lazily built state (zeros) without changing anything:
-        one step with zero gradients at learning rate 0. Loading then overwrites it."""
-        params = [p for g in self.inner.param_groups for p in g["params"]]
-        if all(p in self.inner.state for p in params):
-            return
-        lrs = [g["lr"] for g in self.inner.param_groups]
-        for g in self.inner.param_groups:
-            g["lr"] = 0.0
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        self.inner.step()
-        for g, lr in zip(self.inner.param_groups, lrs):
-            g["lr"] = lr
-        for p in params:
-            p.grad = None
+        """Create the inner optimizer's lazily built state (zeros) without changing anything,
+        so loading has tensors to fill (``GradSync.materialize_state``)."""
+        self.sync.materialize_state(self.inner)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, copied: every piece it holds and the scalar state. It loads back

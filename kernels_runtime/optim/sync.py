@@ -71,3 +71,32 @@ class GradSync(ABC):
     def after_load(self) -> None:
         """Loaded masters into the parameters."""
         self.publish()
+
+    def scale_grads(self, shards: list[GradShard], factor: torch.Tensor | float) -> None:
+        """Multiply the gradients ``master_grads`` returned (fp16 unscaling, clipping); a
+        strategy whose shards are stand-ins applies the factor where the gradients live."""
+        for s in shards:
+            s.tensor.mul_(factor)
+
+    def optimizer_step(self, inner: torch.optim.Optimizer) -> None:
+        """The inner optimizer's step on the masters, then the parameters published; a
+        strategy that streams its masters through memory steps them piece by piece."""
+        inner.step()
+        self.publish()
+
+    def materialize_state(self, inner: torch.optim.Optimizer) -> None:
+        """Create ``inner``'s lazily built state (zeros) without changing anything: one step
+        with zero gradients at learning rate 0. Loading then overwrites it."""
+        params = [p for g in inner.param_groups for p in g["params"]]
+        if all(p in inner.state for p in params):
+            return
+        lrs = [g["lr"] for g in inner.param_groups]
+        for g in inner.param_groups:
+            g["lr"] = 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        inner.step()
+        for g, lr in zip(inner.param_groups, lrs):
+            g["lr"] = lr
+        for p in params:
+            p.grad = None

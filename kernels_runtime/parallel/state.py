@@ -34,6 +34,8 @@ class ParallelState:
     policy: Policy
     optimizer: torch.optim.Optimizer | None = None  # the user's, when training
     bucket_mb: float = 8.0  # flat-bucket size of ZeRO 0-2
+    spill_dir: str | None = None  # where offload's disk tier writes (memory.spill)
+    chunk_mb: float = 32.0  # chunk size of offload's chunks
     layouts: dict[str, ParamLayout] = field(default_factory=dict)  # by parameter name
     blocks: list[nn.Module] = field(default_factory=list)
     grad_sync: GradSync | None = None  # set by the data applier when training

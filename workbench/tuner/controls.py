@@ -17,6 +17,7 @@ from typing import Any
 import ipywidgets as widgets
 
 from kernels_runtime.mesh.plan import (
+    FRACTION_FIELDS,
     OFFLOADS,
     PP_SCHEDULES,
     PRECISIONS,
@@ -24,6 +25,7 @@ from kernels_runtime.mesh.plan import (
     TP_MODES,
     Plan,
 )
+from kernels_runtime.mesh.sizes import format_bytes
 
 LABELS = {  # field -> what the control says
     "dp": "data parallel (dp)",
@@ -35,6 +37,11 @@ LABELS = {  # field -> what the control says
     "sp_mode": "sp mode",
     "zero_stage": "ZeRO stage",
     "offload": "offload",
+    "device_mem": "device budget per rank",
+    "host_mem": "host budget per rank",
+    "offload_params": "params off device (static)",
+    "offload_grads": "grads off device (static)",
+    "offload_optim": "optimizer off device (static)",
     "precision": "precision",
     "microbatches": "micro-batches",
     "pp_schedule": "pp schedule",
@@ -62,6 +69,11 @@ def choices(world_size: int) -> dict[str, list[tuple[str, Any]]]:
                zero_stage=[(str(z), z) for z in range(4)],
                pp_chunks=[(str(c), c) for c in (1, 2, 3, 4)],
                microbatches=[(str(m), m) for m in (1, 2, 4, 8, 16)])
+    budgets = [("unlimited", None), *((format_bytes(b), b) for b in
+                                      (2**26, 2**28, 2**30, 2**32, 2**34))]
+    out.update(device_mem=budgets, host_mem=[*budgets[:1], ("0 (disk)", 0), *budgets[1:]])
+    for name in FRACTION_FIELDS:
+        out[name] = [(f"{f:g}", f) for f in (0.0, 0.25, 0.5, 0.75, 1.0)]
     return out
 
 

@@ -4,7 +4,8 @@ FSDP2, over whatever layout the earlier appliers left.
 With an optimizer (``parallelize``) it builds the strategy's ``GradSync``, which is also the
 model's state layout; without one (``parallelize_model``: evaluation, inference) parameters are
 only made equal across replicas and cast to the compute dtype (zero 0-2), or sharded at rest
-(zero 3).
+(zero 3). An offloading plan's training state is laid out by the offload applier instead
+(chunks on device, host or disk: ``kernels_runtime.memory``); replicas are made equal here.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     ctx, plan = state.ctx.fold_sp(), state.ctx.plan  # sp ranks are data replicas here
     model.to(ctx.device)
     sync_module_states(model, ctx)
-    if plan.zero_stage == 3:
+    offloading = plan.offload != "none" and state.optimizer is not None
+    if offloading:
+        pass  # the offload applier lays the state out in chunks (kernels_runtime.memory)
+    elif plan.zero_stage == 3:
         if state.optimizer is None:
             shard_model(model, state.blocks, ctx, plan.precision)
             state.model_state = FsdpState(model, ctx, state.layouts)
@@ -51,9 +55,9 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
                                            bucket_mb=state.bucket_mb,
                                            replaced=state.replaced_params)
             state.model_state = state.grad_sync
-        if plan.precision != "fp32":
-            model.register_forward_pre_hook(_input_caster(compute_dtype(plan.precision)),
-                                            with_kwargs=True)
+    if (offloading or plan.zero_stage != 3) and plan.precision != "fp32":
+        model.register_forward_pre_hook(_input_caster(compute_dtype(plan.precision)),
+                                        with_kwargs=True)
     state.applied.append("data")
     return model
 

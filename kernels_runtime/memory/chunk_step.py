@@ -1,0 +1,247 @@
+"""The optimizer step over chunks, streamed: one chunk's gradient, master and states brought
+together wherever its master lives, stepped, written back, before the next chunk's.
+
+Why streamed: the whole fp32 state (16 bytes per parameter under Adam) never has to fit one
+tier; a disk-resident chunk costs one chunk of host memory while it steps, and the next
+chunk's reads are started (``prefetch``) before this one steps, so disk time overlaps the
+arithmetic. The inner optimizer is the user's own class rebuilt over the flat master shards
+(element-wise, so exact on them); each call steps the one master that has a gradient.
+
+Gradient scaling (fp16 unscaling, clipping) needs only each chunk's squared norm, computed when
+its gradient shard was last accumulated, so ``master_grads`` hands the boosted optimizer
+one-element proxies and the factor it applies is carried to the chunk's step (``scale_grads``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels_runtime.memory.tiers import Payload, Tier
+from kernels_runtime.mesh.plan import AXES
+from kernels_runtime.mesh.shards import flat_range_boxes
+from kernels_runtime.optim import PARAM, GradShard, GradSync, StatePiece
+from kernels_runtime.optim.state import layout_replica
+
+
+class ChunkStep(GradSync):
+    """The step half of ``ChunkGradSync`` (which sets the attributes used here)."""
+
+    def _init_step(self) -> None:
+        self._scale: torch.Tensor | float | None = None
+        self.last_step: dict = {}
+        self._pinned: list[Payload] = []
+
+    # ---- gradients as the boosted optimizer sees them -------------------------------------
+    def master_grads(self) -> list[GradShard]:
+        self.finish()
+        out = []
+        for c in self.chunks:
+            sq = self._sumsq[c.index]
+            if sq is None:
+                continue
+            layout = self.layouts[c.names[0]]
+            out.append(GradShard(sq.sqrt().reshape(1), layout.sharded | {"dp"},
+                                 layout.replica[0] == 0))
+        return out
+
+    def scale_grads(self, shards: list[GradShard], factor: torch.Tensor | float) -> None:
+        for s in shards:
+            s.tensor.mul_(factor)
+        self._scale = factor if self._scale is None else self._scale * factor
+
+    def zero_grads(self) -> None:
+        for i, grad in enumerate(self.grad):
+            if grad is not None:
+                self.placer.forget(grad)
+                self.store.free(grad)
+                self.grad[i] = None
+            self._sumsq[i] = None
+        self._scale = None
+        for m in self.master:
+            m.handle.grad = None
+
+    # ---- the step ------------------------------------------------------------------------
+    def _step_tier(self, i: int) -> Tier:
+        master = self.master[i]
+        where = self.placer.home[master.key] if self.placer.mode == "static" else master.tier
+        return Tier.DEVICE if where == Tier.DEVICE else Tier.HOST
+
+    def _step_payloads(self, i: int) -> list[Payload]:
+        found = [self.grad[i], self.master[i], *self.states[i].values()]
+        return [p for p in found if p is not None]
+
+    def optimizer_step(self, inner: torch.optim.Optimizer) -> None:
+        self.finish()
+        self.unpin()
+        order = [c.index for c in self.chunks if self.grad[c.index] is not None]
+        for k, i in enumerate(order):
+            if k + 1 < len(order):
+                for p in self._step_payloads(order[k + 1]):
+                    self.placer.prefetch(p)
+            self._step_chunk(inner, i)
+        self._scale = None
+        self.placer.end_step()
+        self.last_step = {"moved": dict(self.store.moved), "evictions": self.store.evictions,
+                          "wait_seconds": self.store.wait_seconds,
+                          "device_peak": int(self.store.peak[Tier.DEVICE]),
+                          "device_state_peak": int(self.store.state_peak[Tier.DEVICE])}
+        self.store.settle()
+        self.store.reset_step_counters()
+
+    def _step_chunk(self, inner: torch.optim.Optimizer, i: int) -> None:
+        where = self._step_tier(i)
+        payloads = self._step_payloads(i)
+        for p in payloads:
+            self.placer.touch(p.key)
+            self.placer.in_use.add(p.key)
+        for p in payloads:
+            self.placer.bring(p, where)
+        grad, master = self.grad[i], self.master[i]
+        g = grad.handle
+        if self._scale is not None:
+            scale = self._scale
+            g.mul_(scale.to(g.device) if isinstance(scale, torch.Tensor) else scale)
+        master.handle.grad = g
+        if not self.states[i]:  # room for the states this first step creates (Adam's two)
+            self.placer.make_room(where, 2 * master.nbytes)
+        inner.step()
+        master.handle.grad = None
+        self._adopt_states(inner, i)
+        self._publish(i)
+        for p in [master, *self.states[i].values()]:
+            self.placer.in_use.discard(p.key)
+            self.placer.settle(p)
+        self.placer.in_use.discard(grad.key)
+        self.placer.forget(grad)
+        self.store.free(grad)
+        self.grad[i] = None
+        self._sumsq[i] = None
+
+    def _adopt_states(self, inner: torch.optim.Optimizer, i: int) -> None:
+        """The optimizer's per-element states of a master become payloads (first step)."""
+        master = self.master[i]
+        if self.states[i]:
+            return
+        for name, value in inner.state.get(master.handle, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() and value.numel() == master.numel:
+                payload = self.store.adopt(f"c{i}.{name}", value, master.tier)
+                self.placer.register(payload)
+                self.placer.home[payload.key] = self.placer.home[master.key]
+                self.states[i][name] = payload
+        if self.placer.mode == "auto":
+            self.placer.enforce()  # the new states may not fit where their master is
+
+    def _publish(self, i: int) -> None:
+        """Updated master -> the parameters: the whole chunk all-gathered from every rank's
+        shard (zero 2), or this rank's shard copied (zero 3 in 16 bit)."""
+        param, master = self.param[i], self.master[i]
+        if param is master:
+            return
+        self.placer.in_use.add(param.key)
+        if self._is_whole(i):
+            self.placer.bring(param, Tier.DEVICE)
+            mine = master.handle.to(param.handle.device, self.dtype)  # (padded/dp,)
+            if self.dp > 1:
+                self.ctx.comm.all_gather(param.handle, mine, group=self.ctx.dp_group)
+            else:
+                param.handle.copy_(mine)
+        else:
+            self.placer.bring(param, Tier.DEVICE if master.tier == Tier.DEVICE else Tier.HOST)
+            param.handle.copy_(master.handle)
+        self.placer.in_use.discard(param.key)
+        self.placer.settle(param)
+
+    def publish(self) -> None:
+        for c in self.chunks:
+            self._publish(c.index)
+
+    def materialize_state(self, inner: torch.optim.Optimizer) -> None:
+        """Create the optimizer's states of every chunk without changing anything (a step with
+        zero gradients at learning rate 0), so loading has tensors to fill."""
+        if all(self.states[c.index] for c in self.chunks):
+            return
+        lrs = [g["lr"] for g in inner.param_groups]
+        for g in inner.param_groups:
+            g["lr"] = 0.0
+        for c in self.chunks:
+            master = self.master[c.index]
+            self.placer.bring(master, self._step_tier(c.index))
+            master.handle.grad = torch.zeros_like(master.handle)
+            inner.step()
+            master.handle.grad = None
+            self._adopt_states(inner, c.index)
+            for p in [master, *self.states[c.index].values()]:
+                self.placer.settle(p)
+        for g, lr in zip(inner.param_groups, lrs):
+            g["lr"] = lr
+
+    # ---- model state ---------------------------------------------------------------------
+    def _range(self, i: int, saving: bool) -> tuple[int, int, int]:
+        c = self.chunks[i]
+        start, end = c.shard_range(self.dp_rank)
+        base = start
+        if saving:
+            layout = self.layouts[c.names[0]]
+            sharded = layout.sharded | {"dp"}
+            replicated = [a for a in AXES if a not in sharded]
+            index, count = layout_replica(layout, self.ctx.coords,
+                                          {a: self.ctx.size(a) for a in AXES}, replicated)
+            span = end - start
+            start, end = start + span * index // count, start + span * (index + 1) // count
+        return start, end, base
+
+    def pieces(self, saving: bool, optimizer: torch.optim.Optimizer | None) -> list[StatePiece]:
+        """Masters and states as pieces; disk-resident ones are read back into host memory
+        first (they return to their tier at their next use)."""
+        out = []
+        for c in self.chunks:
+            i = c.index
+            for p in [self.master[i], *self.states[i].values()]:
+                self._pinned.append(p)  # the views must stay live storage until the next use
+                self.placer.in_use.add(p.key)
+                if p.tier == Tier.DISK:
+                    self.placer.place(p, Tier.HOST)  # over the budget until then
+            states = {k: p.handle for k, p in self.states[i].items()} if optimizer else {}
+            start, end, base = self._range(i, saving)
+            for n, lo, hi in c.segments(start, end):
+                name, layout = c.names[n], self.layouts[c.names[n]]
+                for box, flat in flat_range_boxes(c.shapes[n], lo, hi):
+                    at = c.offsets[n] + flat - base
+                    for shard, where in layout.shards(name, box):
+
+                        def view(t: torch.Tensor, at: int = at, sizes: tuple = box[1],
+                                 where: tuple = where) -> torch.Tensor:
+                            return t[at:at + math.prod(sizes)].view(sizes)[where]
+
+                        values = {PARAM: view(self.master[i].handle),
+                                  **{k: view(t) for k, t in states.items()}}
+                        out.append(StatePiece(shard, values))
+        return out
+
+    def unpin(self) -> None:
+        """Payloads ``pieces`` held in memory go back under the placement's rules."""
+        pinned, self._pinned = self._pinned, []
+        for p in pinned:
+            self.placer.in_use.discard(p.key)
+        for p in pinned:
+            self.placer.settle(p)
+        if pinned and self.placer.mode == "auto":
+            self.placer.enforce()
+
+    def after_load(self) -> None:
+        self.publish()
+
+    def memory_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes of model state this rank holds on every tier together (``tier_bytes`` splits
+        them by tier)."""
+        params = sum(p.nbytes for p in self.param)
+        grads = sum(p.nbytes for p in self.grad if p is not None)
+        masters = sum(m.nbytes for p, m in zip(self.param, self.master) if m is not p)
+        states = sum(p.nbytes for s in self.states for p in s.values())
+        return {"params": params, "grads": grads, "optimizer": masters + states}
+
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes of model state resident per tier now (device counts working buffers)."""
+        return {t.label: int(self.store.used[t]) for t in Tier}

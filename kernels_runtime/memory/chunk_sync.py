@@ -1,0 +1,325 @@
+"""ZeRO 2 and 3 on chunks whose parameters, gradients, masters and optimizer states live on any
+tier: the ``GradSync`` of ``offload=static|auto``.
+
+Per chunk (``chunks.py``) and rank, payloads (``tiers.py``):
+
+| payload | zero 2 | zero 3 |
+|---|---|---|
+| ``param`` (compute dtype) | the whole chunk | this rank's shard |
+| ``master`` (fp32 shard) | own tensor | the ``param`` itself in fp32 |
+| ``grad`` (fp32 shard) | reduce-scattered each backward, kept until the step | same |
+| optimizer states (shard) | created by the optimizer's first step | same |
+
+Chunk states: *released* (parameters are empty tensors), *computing* (gathered on the device:
+whole ``param`` brought there, or the shards all-gathered into a working buffer, and the
+parameters views of it), *held* (gathered during backward until every gradient of the chunk
+arrived), *reduced* (gradient reduce-scattered into ``grad``; released again). A unit's forward
+pre-hook gathers its chunks and its forward hook releases them; a hook on the unit's outputs
+gathers them again for its backward (a checkpointed block re-running its forward inside
+backward keeps them); a gradient hook per parameter copies the gradient into the chunk's
+buffer, and the chunk's last one starts the reduction. The optimizer step streams chunk by
+chunk (``chunk_step.py``), each wherever its master lives.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+
+from kernels_runtime.memory.chunk_step import ChunkStep
+from kernels_runtime.memory.chunks import ChunkLayout, Unit, build_chunks, find_units
+from kernels_runtime.memory.placement import Placer, Trace, static_homes
+from kernels_runtime.memory.tiers import Payload, Tier, TierStore
+from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.mesh.shards import ParamLayout
+from kernels_runtime.optim import check_elementwise
+from kernels_runtime.parallel.data.zero import named_param_groups
+from kernels_runtime.precision import compute_dtype
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class ChunkGradSync(ChunkStep):
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
+        layouts: dict[str, ParamLayout], *, blocks: list[nn.Module], zero_stage: int,
+        precision: str, store: TierStore, placer_args: dict, chunk_mb: float = 32.0,
+        replaced: dict[int, nn.Parameter] | None = None,
+    ) -> None:
+        check_elementwise(optimizer)
+        self.ctx, self.stage = ctx, zero_stage
+        self.dtype = compute_dtype(precision)
+        self.dp, self.dp_rank = ctx.dp_size, ctx.dp_rank
+        groups = named_param_groups(model, optimizer, replaced)
+        self._groups = len(groups)
+        self.layouts = {n: layouts.get(n) or ParamLayout.replicated(tuple(p.shape))
+                        for g in groups for n, p in g}
+        model.to(ctx.device)
+        self.units: list[Unit] = find_units(model, blocks)
+        self.chunks: list[ChunkLayout] = build_chunks(
+            self.units, blocks, groups, self.dp, int(chunk_mb * 2**20),
+            key=lambda name: self.layouts[name].signature)
+        self.store = store
+        self.placer = Placer(store, predicted=self._predicted_trace(), **placer_args)
+        self.param: list[Payload] = []
+        self.master: list[Payload] = []
+        self.grad: list[Payload | None] = [None] * len(self.chunks)
+        self.states: list[dict[str, Payload]] = [{} for _ in self.chunks]
+        self._chunk_of = {id(p): c.index for c in self.chunks for p in c.params}
+        self._offset = {id(p): off for c in self.chunks for p, off in zip(c.params, c.offsets)}
+        for c in self.chunks:
+            self._make_payloads(c)
+        self._working: dict[int, Payload] = {}  # gathered buffers (zero 3, dp > 1)
+        self._active = [0] * len(self.chunks)  # units inside forward that need the chunk
+        self._held: set[int] = set()  # gathered for backward, waiting for gradients
+        self._grad_buf: dict[int, torch.Tensor] = {}
+        self._ready = [0] * len(self.chunks)
+        self._reduced: set[int] = set()
+        self._pending: list = []
+        self._in_backward = False
+        self._fetched_for_backward: set[int] = set()
+        self._sumsq: list[torch.Tensor | None] = [None] * len(self.chunks)
+        self.overlap = {"during_backward": 0, "at_end": 0}
+        self.grad_homes: list[Tier] | None = None  # static placement only
+        self._gathered: set[int] = set()
+        self._init_step()
+        self._install_hooks()
+
+    # ---- construction --------------------------------------------------------------------
+    def _predicted_trace(self) -> Trace:
+        keys = [f"c{i}.param" for u in self.units for i in u.chunks]
+        for u in reversed(self.units):
+            keys += [f"c{i}.{k}" for i in u.chunks for k in ("param", "grad")]
+        for c in self.chunks:
+            keys += [f"c{c.index}.{k}" for k in ("grad", "master", "state", "param")]
+        return Trace(keys)
+
+    def _make_payloads(self, c: ChunkLayout) -> None:
+        flat = c.flat_values(torch.float32, self.ctx.device)  # (padded,)
+        shard = flat[slice(*c.shard_range(self.dp_rank))]  # (padded/dp,)
+        values = shard if self.stage == 3 else flat
+        param = self.store.allocate(f"c{c.index}.param", values.numel(), self.dtype, Tier.DEVICE)
+        param.handle.copy_(values)
+        if self.stage == 3 and self.dtype == torch.float32:
+            master = param
+        else:
+            master = self.store.allocate(f"c{c.index}.master", shard.numel(), torch.float32,
+                                         Tier.DEVICE)
+            master.handle.copy_(shard)
+            self.placer.register(master)
+        self.placer.register(param)
+        self.param.append(param)
+        self.master.append(master)
+        c.detach_params()
+
+    def master_groups(self) -> list[list[torch.Tensor]]:
+        return [[self.master[c.index].handle for c in self.chunks if c.group == g]
+                for g in range(self._groups)]
+
+    def place_homes(self, fractions: dict[str, float], host_budget: int | None) -> None:
+        """Static placement (``placement.static_homes``): parameters, then gradients, then
+        masters and optimizer states take the host budget in that order. Under zero 3 in fp32
+        the master is the parameter shard: the larger of the two fractions applies."""
+        host_left = [float("inf") if host_budget is None else float(host_budget)]
+        aliased = self.param[0] is self.master[0] if self.chunks else False
+        share = fractions.get("params", 0.0)
+        if aliased:
+            share = max(share, fractions.get("optim", 0.0))
+        homes = static_homes([p.nbytes for p in self.param], share, host_left)
+        self.grad_homes = static_homes([c.shard_size * 4 for c in self.chunks],
+                                       fractions.get("grads", 0.0), host_left)
+        if not aliased:
+            homes += static_homes([m.nbytes for m in self.master],
+                                  fractions.get("optim", 0.0), host_left)
+        payloads = self.param if aliased else [*self.param, *self.master]
+        for payload, home in zip(payloads, homes):
+            self.placer.home[payload.key] = home
+            if payload.tier != home:
+                self.placer.place(payload, home)
+        self.store.reset_step_counters()
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        for u, unit in enumerate(self.units):
+            if not unit.chunks:
+                continue
+            unit.module.register_forward_pre_hook(
+                lambda m, args, u=u: self._before_forward(u))
+            unit.module.register_forward_hook(
+                lambda m, args, out, u=u: self._after_forward(u, out))
+        for c in self.chunks:
+            for p in c.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _before_forward(self, u: int) -> None:
+        if self._pinned:
+            self.unpin()
+        for i in self.units[u].chunks:
+            self._active[i] += 1
+            self.gather(i)
+
+    def _after_forward(self, u: int, output) -> None:
+        for i in self.units[u].chunks:
+            self._active[i] -= 1
+        if _in_backward():  # a checkpointed block recomputing: its backward comes next
+            return
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(lambda g, u=u: self._before_backward(u))
+        for i in self.units[u].chunks:
+            if not self._active[i] and i not in self._held:
+                self.release(i)
+
+    def _before_backward(self, u: int) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        if u in self._fetched_for_backward:
+            return
+        self._fetched_for_backward.add(u)
+        for i in self.units[u].chunks:
+            if i not in self._reduced:
+                self.gather(i)
+                self._held.add(i)
+
+    # ---- gather and release --------------------------------------------------------------
+    def gather(self, i: int) -> None:
+        """Chunk ``i`` computing: its parameters views of a whole chunk on the device."""
+        if i in self._gathered:
+            return
+        self._gathered.add(i)
+        c, param = self.chunks[i], self.param[i]
+        self.placer.touch(param.key)
+        self.placer.in_use.add(param.key)
+        self.placer.bring(param, Tier.DEVICE)
+        if self._is_whole(i):
+            c.point_params_at(param.handle)
+            return
+        self.placer.make_room(Tier.DEVICE, c.padded * param.handle.element_size())
+        work = self.store.allocate(f"c{i}.whole", c.padded, self.dtype, Tier.DEVICE,
+                                   persistent=False)  # (padded,)
+        self.ctx.comm.all_gather(work.handle, param.handle, group=self.ctx.dp_group)
+        self._working[i] = work
+        self.placer.in_use.discard(param.key)
+        self.placer.settle(param)
+        c.point_params_at(work.handle)
+
+    def _is_whole(self, i: int) -> bool:
+        """The ``param`` payload is the whole chunk (zero 2, or a single dp rank)."""
+        return self.stage == 2 or self.dp == 1
+
+    def release(self, i: int) -> None:
+        """Chunk ``i`` released: parameters empty, the gathered buffer freed, a whole
+        ``param`` back to its home (static) or left for eviction (auto)."""
+        if i not in self._gathered:
+            return
+        self._gathered.discard(i)
+        self.chunks[i].detach_params()
+        work = self._working.pop(i, None)
+        if work is not None:
+            self.store.free(work)
+        param = self.param[i]
+        self.placer.in_use.discard(param.key)
+        self.placer.settle(param)
+
+    # ---- gradients -----------------------------------------------------------------------
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        i = self._chunk_of[id(p)]
+        c = self.chunks[i]
+        buf = self._grad_buf.get(i)
+        if buf is None:
+            self.placer.make_room(Tier.DEVICE, c.padded * 4)
+            buf = self._grad_buf[i] = torch.zeros(c.padded, dtype=torch.float32,
+                                                  device=self.ctx.device)  # (padded,)
+            self.store.charge_working(buf.numel() * 4)
+        off = self._offset[id(p)]
+        buf[off:off + p.grad.numel()].add_(p.grad.reshape(-1))
+        p.grad = None
+        self._ready[i] += 1
+        if self._ready[i] == len(c.params):
+            self._reduce(i)
+            self.overlap["during_backward"] += 1
+
+    def _reduce(self, i: int) -> None:
+        """Reduce-scatter chunk ``i``'s gradient into its ``grad`` shard and release it."""
+        self._reduced.add(i)
+        c = self.chunks[i]
+        buf = self._grad_buf.pop(i, None)
+        if buf is None:
+            buf = torch.zeros(c.padded, dtype=torch.float32, device=self.ctx.device)
+            self.store.charge_working(buf.numel() * 4)
+        if self.dp > 1:
+            shard = torch.empty(c.shard_size, dtype=torch.float32, device=buf.device)
+            op = self.ctx.comm.reduce_scatter_async(shard, buf, group=self.ctx.dp_group)
+        else:
+            shard, op = buf, None
+        self._drain()  # at most one reduction in flight: gradient buffers do not pile up
+        self._pending.append((i, buf, shard, op))
+        self._held.discard(i)
+        if not self._active[i]:
+            self.release(i)
+
+    def _drain(self) -> None:
+        pending, self._pending = self._pending, []
+        for i, buf, shard, op in pending:
+            if op is not None:
+                op.wait()
+            shard.mul_(1.0 / self.dp)
+            self._accumulate(i, shard)
+            self.store.release_working(buf.numel() * 4)
+
+    def _accumulate(self, i: int, shard: torch.Tensor) -> None:
+        grad = self.grad[i]
+        if grad is None:
+            self.placer.make_room(Tier.DEVICE, shard.numel() * 4)
+            grad = self.grad[i] = self.store.allocate(f"c{i}.grad", shard.numel(),
+                                                      torch.float32, Tier.DEVICE)
+            self.placer.register(grad)
+            home = Tier.DEVICE
+            if self.placer.mode == "static" and getattr(self, "grad_home", 0.0):
+                home = self._grad_home_tier(i)
+            self.placer.home[grad.key] = home
+        else:
+            self.placer.bring(grad, Tier.DEVICE)
+        self.placer.touch(grad.key)
+        grad.handle.add_(shard)
+        self._sumsq[i] = grad.handle.pow(2).sum()
+        self.placer.settle(grad)
+
+    def _end_of_backward(self) -> None:
+        for i in range(len(self.chunks)):
+            if i not in self._reduced:  # unused in this pass: its gradient counts as zero
+                self._reduce(i)
+                self.overlap["at_end"] += 1
+        self._drain()
+        for i in list(self._held):
+            self._held.discard(i)
+            self.release(i)
+        self._in_backward = False
+        self._fetched_for_backward.clear()
+        self._reduced.clear()
+        self._ready = [0] * len(self.chunks)
+
+    def prepare_backward(self, sync: bool) -> None:
+        """Every backward reduce-scatters (as ZeRO-2 does): micro-batches accumulate in the
+        ``grad`` shard, so no full gradient outlives its chunk's backward."""
+
+    def finish(self) -> None:
+        self._drain()
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for o in output for t in _tensors(o)]
+    if isinstance(output, dict):
+        return [t for o in output.values() for t in _tensors(o)]
+    if hasattr(output, "to_tuple"):  # HF ModelOutput
+        return _tensors(output.to_tuple())
+    return []
+

@@ -1,0 +1,213 @@
+"""Tiers and the tensors that move between them: device -> host -> disk.
+
+A ``Payload`` is one tensor of model state (a chunk's parameters, its gradient shard, fp32
+master, an optimizer state). Its ``handle`` is a tensor object whose identity never changes,
+because the model's parameters are views of it and the optimizer keys its state by it; only
+``handle.data`` moves: to device memory, to (pinned, on a GPU machine) host memory, or to a file
+of the spill directory, where ``handle.data`` is an empty tensor.
+
+``TierStore`` moves payloads and keeps the accounts the placement decides by: bytes resident per
+tier now and at peak (on a CPU-only machine device and host are the same RAM, so the device
+tier is exactly this account, enforced by the placement as a GPU's capacity would be), bytes
+moved between tiers, evictions, and time the caller waited on movement. Disk writes are
+write-behind (the memory is freed when the write completes; a fetch before that reuses it) and
+disk reads can be started early (``prefetch``), both on the disk store's threads.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels_runtime.comm.accelerator import Accelerator
+
+
+class Tier(enum.IntEnum):
+    DEVICE = 0
+    HOST = 1
+    DISK = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(eq=False)
+class Payload:
+    key: str
+    numel: int
+    dtype: torch.dtype
+    handle: torch.Tensor = field(repr=False)
+    tier: Tier = Tier.DEVICE
+    persistent: bool = True  # model state (False: a transient working buffer)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+class TierStore:
+    """Allocation, movement and accounting of payloads (see the module docstring)."""
+
+    def __init__(self, accelerator: Accelerator,
+                 disk: Callable[[], object] | None = None) -> None:
+        self.accelerator = accelerator
+        self.device = accelerator.device
+        self._disk_factory = disk
+        self._disk = None
+        self.used: Counter[Tier] = Counter()
+        self.peak: Counter[Tier] = Counter()
+        self.working: Counter[Tier] = Counter()  # of ``used``: transient buffers, not state
+        self.state_peak: Counter[Tier] = Counter()  # peak of model state alone
+        self.moved: Counter[tuple[str, str]] = Counter()  # bytes (from, to) since reset
+        self.evictions = 0
+        self.wait_seconds = 0.0
+        self._reads: dict[str, tuple[Future, torch.Tensor]] = {}
+        self._writes: dict[str, tuple[Future, torch.Tensor]] = {}
+
+    # ---- accounting ----------------------------------------------------------------------
+    def _add(self, tier: Tier, nbytes: int, working: bool = False) -> None:
+        self.used[tier] += nbytes
+        self.working[tier] += nbytes if working else 0
+        self.peak[tier] = max(self.peak[tier], self.used[tier])
+        state = self.used[tier] - self.working[tier]
+        self.state_peak[tier] = max(self.state_peak[tier], state)
+
+    def _sub(self, tier: Tier, nbytes: int, working: bool = False) -> None:
+        self.used[tier] -= nbytes
+        self.working[tier] -= nbytes if working else 0
+
+    def charge_working(self, nbytes: int) -> None:
+        """A device working buffer the caller allocated (a gradient buffer)."""
+        self._add(Tier.DEVICE, nbytes, working=True)
+
+    def release_working(self, nbytes: int) -> None:
+        self._sub(Tier.DEVICE, nbytes, working=True)
+
+    def reset_step_counters(self) -> None:
+        self.moved.clear()
+        self.evictions = 0
+        self.wait_seconds = 0.0
+        for tier in Tier:
+            self.peak[tier] = self.used[tier]
+            self.state_peak[tier] = self.used[tier] - self.working[tier]
+
+    @property
+    def disk(self):
+        if self._disk is None:
+            if self._disk_factory is None:
+                raise RuntimeError("no disk tier was configured for this placement")
+            self._disk = self._disk_factory()
+        return self._disk
+
+    # ---- allocation ----------------------------------------------------------------------
+    def _empty(self, numel: int, dtype: torch.dtype, tier: Tier) -> torch.Tensor:
+        if tier == Tier.DEVICE:
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        return torch.empty(numel, dtype=dtype, pin_memory=self.accelerator.pin_memory)
+
+    def allocate(self, key: str, numel: int, dtype: torch.dtype, tier: Tier,
+                 persistent: bool = True) -> Payload:
+        """A zero-filled payload resident on ``tier`` (device or host)."""
+        handle = self._empty(numel, dtype, tier).zero_()
+        payload = Payload(key, numel, dtype, handle, tier, persistent)
+        self._add(tier, payload.nbytes, working=not persistent)
+        return payload
+
+    def adopt(self, key: str, tensor: torch.Tensor, tier: Tier) -> Payload:
+        """A payload around an existing flat tensor (an optimizer's state), resident where it
+        is now (``tier`` names the account it is charged to)."""
+        payload = Payload(key, tensor.numel(), tensor.dtype, tensor, tier)
+        self._add(tier, payload.nbytes)
+        return payload
+
+    def free(self, payload: Payload) -> None:
+        """Drop the payload's values everywhere (a gradient after its step)."""
+        self._settle_write(payload)
+        if payload.tier == Tier.DISK:
+            self.disk.delete(payload.key)
+        self._sub(payload.tier, payload.nbytes, working=not payload.persistent)
+        payload.handle.data = torch.empty(0, dtype=payload.dtype)
+        payload.tier = Tier.DEVICE
+        payload.numel = 0
+
+    # ---- movement ------------------------------------------------------------------------
+    def move(self, payload: Payload, tier: Tier) -> None:
+        """Make ``payload`` resident on ``tier`` (waiting for what it needs)."""
+        if payload.tier == tier:
+            return
+        source = payload.tier
+        data = self._read_back(payload) if source == Tier.DISK else payload.handle.data
+        self.moved[(source.label, tier.label)] += payload.nbytes
+        if tier > source:
+            self.evictions += 1
+        if tier == Tier.DISK:
+            host = data if data.device.type == "cpu" else self._to_host(data)
+            self._writes[payload.key] = (self.disk.write(payload.key, host), host)
+            payload.handle.data = torch.empty(0, dtype=payload.dtype)
+            self._add(Tier.DISK, payload.nbytes)
+        elif source == Tier.DISK and tier == Tier.HOST:
+            payload.handle.data = data  # the read buffer is host memory already
+            self._add(tier, payload.nbytes)
+        else:
+            target = self._empty(payload.numel, payload.dtype, tier)
+            target.copy_(data, non_blocking=tier == Tier.DEVICE)
+            payload.handle.data = target
+            self._add(tier, payload.nbytes)
+        self._sub(source, payload.nbytes)
+        payload.tier = tier
+
+    def _to_host(self, data: torch.Tensor) -> torch.Tensor:
+        host = self._empty(data.numel(), data.dtype, Tier.HOST)
+        host.copy_(data)  # blocking: the disk thread reads it next
+        return host
+
+    def prefetch(self, payload: Payload) -> None:
+        """Start reading a disk payload back into host memory (no wait)."""
+        if payload.tier != Tier.DISK or payload.key in self._reads:
+            return
+        if payload.key in self._writes:  # still in memory: the fetch will reuse it
+            return
+        buffer = self._empty(payload.numel, payload.dtype, Tier.HOST)
+        self._reads[payload.key] = (self.disk.read(payload.key, buffer), buffer)
+        self._add(Tier.HOST, payload.nbytes)  # the read buffer is host memory from now on
+
+    def _read_back(self, payload: Payload) -> torch.Tensor:
+        written = self._writes.pop(payload.key, None)
+        if written is not None:  # write-behind not collected yet: its memory still holds it
+            self._wait(written[0])
+            return written[1]
+        self.prefetch(payload)
+        future, buffer = self._reads.pop(payload.key)
+        self._wait(future)
+        self._sub(Tier.HOST, payload.nbytes)  # re-charged by the move to its new tier
+        return buffer
+
+    def _wait(self, future: Future) -> None:
+        start = time.perf_counter()
+        future.result()
+        self.wait_seconds += time.perf_counter() - start
+
+    def _settle_write(self, payload: Payload) -> None:
+        written = self._writes.pop(payload.key, None)
+        if written is not None:
+            self._wait(written[0])
+
+    def settle(self) -> None:
+        """Wait for every write-behind (their memory is released) and surface any error."""
+        for key in list(self._writes):
+            self._wait(self._writes.pop(key)[0])
+
+    def close(self) -> None:
+        self.settle()
+        for future, _ in self._reads.values():
+            future.cancel()
+        self._reads.clear()
+        if self._disk is not None:
+            self._disk.close()
