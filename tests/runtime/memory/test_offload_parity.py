@@ -46,16 +46,17 @@ def model_state_bytes(world: int, zero: int) -> int:
     return int(numel * per_param)
 
 
-def _run(plan: str, world: int) -> tuple[list[float], dict, list[int], dict, int]:
+def _run(plan: str, world: int, accum: int = 1,
+         clip: float | None = None) -> tuple[list[float], dict, list[int], dict, int]:
     from kernels_runtime import parallelize, train_step
 
     ctx = context(plan)
     model = dm.make_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=dm.LR, weight_decay=dm.WEIGHT_DECAY)
-    model, opt = parallelize(model, opt, ctx=ctx, verbose=False)
+    model, opt = parallelize(model, opt, ctx=ctx, verbose=False, max_grad_norm=clip)
     losses, evictions, peaks = [], [], []
     for step in range(STEPS):
-        mbs = dm.local_microbatches(step, ctx.dp_rank, ctx.dp_size, 1)
+        mbs = dm.local_microbatches(step, ctx.dp_rank, ctx.dp_size, accum)
         losses.append(train_step(model, opt, mbs, loss_fn=dm.hf_loss).loss)
         last = getattr(opt.sync, "last_step", {})
         evictions.append(last.get("evictions", 0))
@@ -65,12 +66,15 @@ def _run(plan: str, world: int) -> tuple[list[float], dict, list[int], dict, int
     return losses, params, evictions, tiers, [max(p) for p in zip(*peaks)]
 
 
-def _compare(rank: int, world: int, base: str, offload: str) -> dict:
-    ref_losses, ref_params, *_ = _run(base, world)
-    losses, params, evictions, tiers, peak = _run(f"{base} {offload}", world)
+def _compare(rank: int, world: int, base: str, offload: str, extra: dict) -> dict:
+    ref_losses, ref_params, *_ = _run(base, world, **extra)
+    losses, params, evictions, tiers, peak = _run(f"{base} {offload}", world, **extra)
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     param_rel = {n: ((params[n] - p).norm() / p.norm().clamp_min(1e-12)).item()
                  for n, p in ref_params.items()}
+    diff = torch.cat([(params[n] - p).reshape(-1) for n, p in ref_params.items()])
+    whole = torch.cat([p.reshape(-1) for p in ref_params.values()])
+    param_rel["(whole model)"] = (diff.norm() / whole.norm()).item()
     return {"loss_rel": loss_rel, "param_rel": param_rel, "evictions": evictions,
             "tiers": tiers, "device_peak": peak, "learned": losses[-1] < 0.9 * losses[0]}
 
@@ -105,17 +109,33 @@ CASES = {  # id: (base plan, offload items)
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# the rest of the step: 16-bit compute over fp32 masters, micro-batches accumulated in the
+# gradient shards, clipping by the global norm of per-chunk proxies. Clipping rounds its
+# coefficient differently from the flat-bucket path and Adam turns that into full-size steps of
+# GPT-2's near-zero key biases, so these cases use the data-parallel tests' tolerances (loss and
+# whole-model relative L2: fp32 1e-5, bf16 2e-2)
+EXTRA = {"zero3-auto-disk-bf16-accum4-clip": ("dp=2 zero=3 bf16",
+                                              f"offload=auto {_budget(2, 3)} {_host(2, 3)}",
+                                              {"accum": 4, "clip": 0.5}),
+         "zero2-static-host-accum2-clip": ("dp=2 zero=2", "offload=static offload_optim=1 "
+                                           "offload_grads=0.5 offload_params=1",
+                                           {"accum": 2, "clip": 0.5})}
+
+
+@pytest.mark.parametrize("case", list(CASES) + list(EXTRA))
 def test_offloaded_training_matches_training_without_offload(ranks, case):
-    base, offload = CASES[case]
-    out = ranks(2).run(_compare, base, offload, timeout_s=300)
+    base, offload, extra = EXTRA[case] if case in EXTRA else (*CASES[case], {})
+    out = ranks(2).run(_compare, base, offload, extra, timeout_s=300)
     for rank, result in enumerate(out):
         print(f"{case} rank {rank}: evictions per step {result['evictions']}, device peak "
               f"(state, with buffers) {result['device_peak']} B, tiers at the end "
               f"{result['tiers']}, loss rel {result['loss_rel']:.1e}")
-        worst = max(result["param_rel"].items(), key=lambda kv: kv[1])
-        assert result["loss_rel"] <= TOL, f"{case}: loss rel diff {result['loss_rel']:.2e}"
-        assert worst[1] <= TOL, f"{case}: {worst[0]} rel L2 diff {worst[1]:.2e}"
+        tol = TOL if case in CASES else (2e-2 if "bf16" in base else 1e-5)
+        checked = result["param_rel"] if case in CASES else \
+            {"(whole model)": result["param_rel"]["(whole model)"]}
+        worst = max(checked.items(), key=lambda kv: kv[1])
+        assert result["loss_rel"] <= tol, f"{case}: loss rel diff {result['loss_rel']:.2e}"
+        assert worst[1] <= tol, f"{case}: {worst[0]} rel L2 diff {worst[1]:.2e}"
         assert all(e > 0 for e in result["evictions"]), \
             f"{case} rank {rank}: a step without evictions: {result['evictions']}"
         half = model_state_bytes(2, 3 if "zero=3" in base + offload else 2) // 2
