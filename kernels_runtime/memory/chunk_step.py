@@ -139,7 +139,10 @@ class ChunkStep(GradSync):
         param, master = self.param[i], self.master[i]
         if param is master:
             return
-        self.placer.in_use.add(param.key)
+        was_in_use = master.key in self.placer.in_use
+        self.placer.in_use.update((param.key, master.key))
+        if master.tier == Tier.DISK:
+            self.placer.bring(master, Tier.HOST)
         if self._is_whole(i):
             self.placer.bring(param, Tier.DEVICE)
             mine = master.handle.to(param.handle.device, self.dtype)  # (padded/dp,)
@@ -151,6 +154,9 @@ class ChunkStep(GradSync):
             self.placer.bring(param, Tier.DEVICE if master.tier == Tier.DEVICE else Tier.HOST)
             param.handle.copy_(master.handle)
         self.placer.in_use.discard(param.key)
+        if not was_in_use:
+            self.placer.in_use.discard(master.key)
+            self.placer.settle(master)
         self.placer.settle(param)
 
     def publish(self) -> None:
@@ -162,16 +168,20 @@ class ChunkStep(GradSync):
         zero gradients at learning rate 0), so loading has tensors to fill."""
         if all(self.states[c.index] for c in self.chunks):
             return
+        self.unpin()
         lrs = [g["lr"] for g in inner.param_groups]
         for g in inner.param_groups:
             g["lr"] = 0.0
         for c in self.chunks:
-            master = self.master[c.index]
-            self.placer.bring(master, self._step_tier(c.index))
+            master, where = self.master[c.index], self._step_tier(c.index)
+            self.placer.in_use.add(master.key)
+            self.placer.bring(master, where)
+            self.placer.make_room(where, 2 * master.nbytes)
             master.handle.grad = torch.zeros_like(master.handle)
             inner.step()
             master.handle.grad = None
             self._adopt_states(inner, c.index)
+            self.placer.in_use.discard(master.key)
             for p in [master, *self.states[c.index].values()]:
                 self.placer.settle(p)
         for g, lr in zip(inner.param_groups, lrs):
@@ -231,6 +241,9 @@ class ChunkStep(GradSync):
             self.placer.enforce()
 
     def after_load(self) -> None:
+        """The loaded values are in the pinned payloads: back under the budgets, then into the
+        parameters."""
+        self.unpin()
         self.publish()
 
     def memory_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:

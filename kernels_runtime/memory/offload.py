@@ -22,17 +22,24 @@ from kernels_runtime.memory.chunk_sync import ChunkGradSync
 from kernels_runtime.memory.disk import DiskStore
 from kernels_runtime.memory.spill import SpillDir, spill_root
 from kernels_runtime.memory.tiers import TierStore
+from kernels_runtime.mesh.sizes import format_bytes
 from kernels_runtime.parallel.state import ParallelState
 
 
 def check(state: ParallelState, model: nn.Module) -> str | None:
     """Offload lays out training state; a model without an optimizer (evaluation, inference)
-    keeps its weights on the device for now."""
-    offload = state.ctx.plan.offload
-    if offload != "none" and state.optimizer is None:
-        return (f"offload={offload} places training state (parameters, gradients, optimizer "
-                "states); parallelize_model without an optimizer keeps weights on the device: "
-                "remove offload from the plan")
+    keeps its weights on the device for now. A plan that may spill needs a usable spill
+    directory: made here, so a bad one refuses the plan before anything changed."""
+    plan = state.ctx.plan
+    if plan.offload != "none" and state.optimizer is None:
+        return (f"offload={plan.offload} places training state (parameters, gradients, "
+                "optimizer states); parallelize_model without an optimizer keeps weights on "
+                "the device: remove offload from the plan")
+    if plan.offload != "none" and _may_spill(plan):
+        try:
+            _rank_folder(state.spill_dir, state.ctx.rank)
+        except OSError as err:
+            return f"host_mem={format_bytes(plan.host_mem)} spills to disk, but {err}"
     return None
 
 
@@ -62,6 +69,7 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     else:
         sync.placer.enforce()
         store.reset_step_counters()
+    state.layouts.update(sync.layouts)  # released parameters are empty: shapes live here
     state.grad_sync = sync
     state.model_state = sync
     state.applied.append("offload")
@@ -83,12 +91,16 @@ _RANK_FOLDERS: dict[tuple[Path, int], SpillDir] = {}
 _MODELS = itertools.count()
 
 
-def _model_folder(spill_dir: str | None, rank: int) -> Path:
+def _rank_folder(spill_dir: str | None, rank: int) -> SpillDir:
     root = spill_root(spill_dir)
-    key = (root.resolve(), rank)
+    key = (root.absolute(), rank)
     if key not in _RANK_FOLDERS:
         _RANK_FOLDERS[key] = SpillDir(root, rank=rank)
-    folder = _RANK_FOLDERS[key].path / f"model-{next(_MODELS)}"
+    return _RANK_FOLDERS[key]
+
+
+def _model_folder(spill_dir: str | None, rank: int) -> Path:
+    folder = _rank_folder(spill_dir, rank).path / f"model-{next(_MODELS)}"
     folder.mkdir(mode=0o700)
     return folder
 

@@ -16,6 +16,7 @@ disk reads can be started early (``prefetch``), both on the disk store's threads
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
 from collections import Counter
@@ -69,7 +70,7 @@ class TierStore:
         self.evictions = 0
         self.wait_seconds = 0.0
         self._reads: dict[str, tuple[Future, torch.Tensor]] = {}
-        self._writes: dict[str, tuple[Future, torch.Tensor]] = {}
+        self._writes: dict[str, tuple[Future, torch.Tensor, Payload]] = {}
 
     # ---- accounting ----------------------------------------------------------------------
     def _add(self, tier: Tier, nbytes: int, working: bool = False) -> None:
@@ -149,7 +150,7 @@ class TierStore:
             self.evictions += 1
         if tier == Tier.DISK:
             host = data if data.device.type == "cpu" else self._to_host(data)
-            self._writes[payload.key] = (self.disk.write(payload.key, host), host)
+            self._writes[payload.key] = (self.disk.write(payload.key, host), host, payload)
             payload.handle.data = torch.empty(0, dtype=payload.dtype)
             self._add(Tier.DISK, payload.nbytes)
         elif source == Tier.DISK and tier == Tier.HOST:
@@ -181,7 +182,7 @@ class TierStore:
     def _read_back(self, payload: Payload) -> torch.Tensor:
         written = self._writes.pop(payload.key, None)
         if written is not None:  # write-behind not collected yet: its memory still holds it
-            self._wait(written[0])
+            self._collect(written)
             return written[1]
         self.prefetch(payload)
         future, buffer = self._reads.pop(payload.key)
@@ -194,18 +195,49 @@ class TierStore:
         future.result()
         self.wait_seconds += time.perf_counter() - start
 
+    def _collect(self, written: tuple[Future, torch.Tensor, Payload]) -> None:
+        """Wait for a write-behind. If it failed, the payload is back in host memory (its values
+        were still there) before the error is raised: a spill that did not complete loses
+        nothing and is never read as complete."""
+        future, host, payload = written
+        try:
+            self._wait(future)
+        except OSError:
+            self._restore(host, payload)
+            for key in list(self._writes):  # the other writes in flight may fail the same way
+                other = self._writes.pop(key)
+                try:
+                    self._wait(other[0])
+                except OSError:
+                    self._restore(*other[1:])
+            raise
+
+    def _restore(self, host: torch.Tensor, payload: Payload) -> None:
+        if payload.tier == Tier.DISK:
+            payload.handle.data = host
+            payload.tier = Tier.HOST
+            self._sub(Tier.DISK, payload.nbytes)
+            self._add(Tier.HOST, payload.nbytes)
+
     def _settle_write(self, payload: Payload) -> None:
         written = self._writes.pop(payload.key, None)
         if written is not None:
-            self._wait(written[0])
+            self._collect(written)
 
     def settle(self) -> None:
         """Wait for every write-behind (their memory is released) and surface any error."""
+        failed = None
         for key in list(self._writes):
-            self._wait(self._writes.pop(key)[0])
+            try:
+                self._collect(self._writes.pop(key))
+            except OSError as err:
+                failed = failed or err
+        if failed is not None:
+            raise failed
 
     def close(self) -> None:
-        self.settle()
+        with contextlib.suppress(OSError):  # closing (the model is gone): nothing to keep
+            self.settle()
         for future, _ in self._reads.values():
             future.cancel()
         self._reads.clear()
