@@ -83,6 +83,9 @@ class ChunkStep(GradSync):
             self._step_chunk(inner, i)
         self._scale = None
         self.placer.end_step()
+        moved = {f"{a}->{b}": n for (a, b), n in self.store.moved.items()}
+        self.ctx.telemetry.record_offload(self.tier_bytes(), moved, self.store.evictions,
+                                          self.store.wait_seconds)
         self.last_step = {"moved": dict(self.store.moved), "evictions": self.store.evictions,
                           "wait_seconds": self.store.wait_seconds,
                           "device_peak": int(self.store.peak[Tier.DEVICE]),

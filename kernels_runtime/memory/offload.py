@@ -50,7 +50,8 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     ctx = state.ctx.fold_sp()
     accelerator = Accelerator.for_backend(dist.get_backend())
     folder = _model_folder(state.spill_dir, ctx.rank) if _may_spill(plan) else None
-    store = TierStore(accelerator, disk=(lambda: DiskStore(folder)) if folder else None)
+    store = TierStore(accelerator, disk=(lambda: DiskStore(folder)) if folder else None,
+                      waiting=ctx.telemetry.waiting)
     device_budget = plan.device_mem if plan.device_mem is not None \
         else accelerator.total_memory()
     sync = ChunkGradSync(

@@ -56,9 +56,10 @@ class Payload:
 class TierStore:
     """Allocation, movement and accounting of payloads (see the module docstring)."""
 
-    def __init__(self, accelerator: Accelerator,
-                 disk: Callable[[], object] | None = None) -> None:
+    def __init__(self, accelerator: Accelerator, disk: Callable[[], object] | None = None,
+                 waiting: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
         self.accelerator = accelerator
+        self._waiting = waiting or contextlib.nullcontext  # the step split's "waiting" time
         self.device = accelerator.device
         self._disk_factory = disk
         self._disk = None
@@ -192,8 +193,13 @@ class TierStore:
 
     def _wait(self, future: Future) -> None:
         start = time.perf_counter()
-        future.result()
-        self.wait_seconds += time.perf_counter() - start
+        try:
+            if not future.done():
+                with self._waiting():
+                    future.result()
+            future.result()
+        finally:
+            self.wait_seconds += time.perf_counter() - start
 
     def _collect(self, written: tuple[Future, torch.Tensor, Payload]) -> None:
         """Wait for a write-behind. If it failed, the payload is back in host memory (its values

@@ -17,6 +17,10 @@ published under ``TELEMETRY_KEY``::
     p2p_by_axis: {group: {sent, received}}      point-to-point bytes (ops send, recv), cumulative
     recent: [{step, seconds, compute, comm, waiting, tokens, samples, flops}, ...]
     pipeline: the last pipeline step's timeline (``timeline.py``), or None: none in this cell
+    offload: {tiers: {device, host, disk},      model-state bytes resident per tier now
+              moved: {"device->host": ...},     bytes moved between tiers, cumulative
+              evictions, wait_seconds, steps,   cumulative; per step: differences
+              last_step: {moved, evictions, wait_seconds}}   or None: no offloading model
 
 Group names are the mesh axes (dp, pp, sp, tp) or "world". Tokens and samples are this rank's
 own (its data-parallel shard), so FLOP/s is this rank's achieved model FLOP/s.
@@ -95,6 +99,7 @@ class Telemetry:
         self.recent: deque[StepRecord] = deque(maxlen=window)
         self.last_published: dict[str, Any] | None = None
         self.pipeline: dict[str, Any] | None = None  # the last pipeline step's, compacted
+        self.offload: dict[str, Any] | None = None  # placement figures (``record_offload``)
         self._totals = dict.fromkeys(("steps", "tokens", "samples", "flops"), 0)
         self._seconds = dict.fromkeys(("step", "compute", "comm", "waiting"), 0.0)
         self._models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -171,6 +176,24 @@ class Telemetry:
         self.recent.clear()
         self.pipeline = None
 
+    def record_offload(self, tiers: dict[str, int], moved: dict[str, int], evictions: int,
+                       wait_seconds: float) -> None:
+        """One offloading step's placement figures: model-state bytes per tier after it, and
+        what it moved (bytes per "from->to"), how many payloads it evicted a tier down and how
+        long the step waited for movement. Kept cumulative, like everything published."""
+        previous = self.offload or {"moved": {}, "evictions": 0, "wait_seconds": 0.0,
+                                    "steps": 0}
+        total = dict(previous["moved"])
+        for pair, nbytes in moved.items():
+            total[pair] = total.get(pair, 0) + nbytes
+        self.offload = {"tiers": dict(tiers), "moved": total,
+                        "evictions": previous["evictions"] + evictions,
+                        "wait_seconds": previous["wait_seconds"] + wait_seconds,
+                        "steps": previous["steps"] + 1,
+                        "last_step": {"moved": dict(moved), "evictions": evictions,
+                                      "wait_seconds": wait_seconds}}
+        self.disk_spill_bytes = int(tiers.get("disk", 0))
+
     def record_disk_spill(self, nbytes: int) -> None:
         """Offload code reports bytes written to (positive) or freed from (negative) disk."""
         self.disk_spill_bytes += nbytes
@@ -217,6 +240,7 @@ class Telemetry:
                            "flops_per_s": rate("flops"), "steps": len(window)},
             "memory": memory, "comm": comm, "comm_by_axis": by_axis, "p2p_by_axis": p2p,
             "recent": [asdict(r) for r in window], "pipeline": self.pipeline,
+            "offload": self.offload,
             "publish_errors": self.publisher.errors,
         }
 
@@ -240,7 +264,8 @@ class Telemetry:
 
     def _state(self) -> tuple:
         calls = self.comm_stats.totals()["calls"] if self.comm_stats is not None else 0
-        return (self._totals["steps"], calls, self.disk_spill_bytes)
+        offloaded = self.offload["steps"] if self.offload else 0
+        return (self._totals["steps"], calls, self.disk_spill_bytes, offloaded)
 
     def _counters(self) -> dict[tuple[str, str], tuple[float, float]]:
         """(op, group) -> cumulative (bytes, blocked seconds), what the step split reads."""

@@ -55,6 +55,7 @@ def _run(plan: str, world: int, accum: int = 1,
     opt = torch.optim.AdamW(model.parameters(), lr=dm.LR, weight_decay=dm.WEIGHT_DECAY)
     model, opt = parallelize(model, opt, ctx=ctx, verbose=False, max_grad_norm=clip)
     losses, evictions, peaks = [], [], []
+    published_before = (ctx.telemetry.offload or {}).get("evictions", 0)
     for step in range(STEPS):
         mbs = dm.local_microbatches(step, ctx.dp_rank, ctx.dp_size, accum)
         losses.append(train_step(model, opt, mbs, loss_fn=dm.hf_loss).loss)
@@ -62,6 +63,10 @@ def _run(plan: str, world: int, accum: int = 1,
         evictions.append(last.get("evictions", 0))
         peaks.append((last.get("device_state_peak", 0), last.get("device_peak", 0)))
     tiers = opt.sync.tier_bytes() if hasattr(opt.sync, "tier_bytes") else {}
+    if tiers:  # what the dashboard is sent: the same evictions, the disk tier as spilled bytes
+        snap = ctx.telemetry.snapshot()
+        assert snap["offload"]["evictions"] - published_before == sum(evictions)
+        assert snap["offload"]["tiers"] == tiers and snap["memory"]["disk_spill"] == tiers["disk"]
     params = state_parameters(model)
     return losses, params, evictions, tiers, [max(p) for p in zip(*peaks)]
 

@@ -277,3 +277,18 @@ def test_a_real_pipeline_publishes_its_timeline_and_its_bubble_is_waiting(ranks)
             assert r.comm + r.waiting == pytest.approx(step["blocked"], abs=1e-9)
             assert r.waiting >= step["recv"] - 1e-9
             assert r.compute == pytest.approx(r.seconds - step["blocked"], abs=1e-9)
+
+
+def test_offload_figures_are_published_cumulative():
+    from kernels_runtime.telemetry import Telemetry
+
+    tel = Telemetry(memory=lambda: {"host_rss": 1})
+    assert tel.snapshot()["offload"] is None
+    tel.record_offload({"device": 10, "host": 20, "disk": 30}, {"device->host": 5}, 2, 0.5)
+    tel.record_offload({"device": 10, "host": 25, "disk": 40}, {"device->host": 5,
+                                                                 "host->disk": 7}, 3, 0.25)
+    snap = tel.snapshot()
+    assert snap["offload"]["moved"] == {"device->host": 10, "host->disk": 7}
+    assert (snap["offload"]["evictions"], snap["offload"]["wait_seconds"]) == (5, 0.75)
+    assert snap["offload"]["last_step"]["evictions"] == 3 and snap["offload"]["steps"] == 2
+    assert snap["memory"]["disk_spill"] == 40  # the disk tier's model state, now
