@@ -95,6 +95,14 @@ def start_rank(
 
 
 @interactive
+def set_environment(values: dict[str, str]) -> None:
+    """Variables the runtime reads on this engine (its pool's id names its spill folder)."""
+    import os
+
+    os.environ.update(values)
+
+
+@interactive
 def recreate_group(master_port: int) -> None:
     globals()["session"].recreate_group(master_port)
 

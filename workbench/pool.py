@@ -29,6 +29,7 @@ from typing import Any
 
 import ipyparallel as ipp
 
+from kernels_runtime.memory.spill import POOL_ENV, remove_stale, spill_root
 from workbench import engine_calls
 from workbench._async import LoopThread
 from workbench.errors import PoolError
@@ -210,6 +211,8 @@ class Pool:
         idents = await asyncio.gather(
             *(asyncio.wrap_future(self.client[e].apply_async(_engine_identity)) for e in ids)
         )
+        await asyncio.gather(*(asyncio.wrap_future(self.client[e].apply_async(
+            engine_calls.set_environment, {POOL_ENV: self.pool_id})) for e in ids))
         order = sorted(range(n), key=lambda i: (idents[i]["host"], idents[i]["gpu"], ids[i]))
         self.engine_ids = [ids[i] for i in order]
         hosts = [idents[i]["host"] for i in order]
@@ -278,10 +281,27 @@ class Pool:
                         log.debug("stopping engine set %s: %s", set_id, e)
             self._engine_sets.clear()
             self.engine_ids, self.ranks_info = [], []
+            self._remove_dead_spill()
             await self._start_engines(n)
             await self._bootstrap(n, old)
         self.needs_reset = False
         return self
+
+    @property
+    def pool_id(self) -> str:
+        """This pool's name among others on the host (its engines' spill folders carry it)."""
+        return f"pool-{self.cluster.cluster_id}" if self.cluster is not None else "pool"
+
+    def _remove_dead_spill(self) -> None:
+        """Spill folders of this pool's ranks that died (a SIGKILL leaves them behind); other
+        pools' folders and live ranks' stay. The default or ``WORKBENCH_SPILL_DIR`` root."""
+        try:
+            removed = remove_stale(spill_root(), self.pool_id)
+        except OSError as e:  # cleaning up must never stop a restart
+            log.warning("removing the dead ranks' spill folders failed: %s", e)
+            return
+        if removed:
+            log.info("removed the spill folders of dead ranks: %s", removed)
 
     @contextlib.asynccontextmanager
     async def _publishing(self) -> Any:

@@ -103,3 +103,50 @@ def test_interrupt_during_a_pipeline_step_stops_every_stage_at_the_same_step(ker
     again = kernel.run_ok(PIPELINE_CELL.replace("range(1000)", "range(2)")
                           + "print('trained again', rank)\n")
     assert "trained again 0" in again.text
+
+
+SPILLING_CELL = (
+    "%%colossal --output all\n"
+    "import torch, transformers\n"
+    "from kernels_runtime import ParallelContext, parallelize, train_step\n"
+    "torch.manual_seed(0)\n"
+    "m = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4,"
+    " vocab_size=64, n_positions=16))\n"
+    "ctx = ParallelContext.build('dp=2 zero=2 offload=static offload_optim=1 host_mem=0', comm)\n"
+    "m, opt = parallelize(m, torch.optim.AdamW(m.parameters()), ctx=ctx, verbose=False)\n"
+    "ids = torch.randint(0, 64, (2, 16))\n"
+    "train_step(m, opt, [(ids, ids)])\n"
+    "print('spill', opt.sync.spill_folder.parent)\n"
+)
+
+
+def test_restart_removes_the_spill_folders_of_killed_ranks_only(kernel, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = kernel.run_ok(SPILLING_CELL, timeout_s=120).text
+    folders = {int(line.split("]")[0].split()[-1]): Path(line.split("spill ")[1].strip())
+               for line in out.splitlines() if " spill " in line}
+    assert set(folders) == {0, 1} and all(f.is_dir() for f in folders.values()), out
+    root = folders[0].parent.parent
+    # another pool on this host, alive, with a folder under the same root
+    other = subprocess.Popen([sys.executable, "-c",
+                              "import sys, time; from pathlib import Path; "
+                              "from kernels_runtime.memory.spill import SpillDir; "
+                              f"d = SpillDir(Path({str(root)!r}), 0, pool='another-pool'); "
+                              "print(d.path, flush=True); time.sleep(120)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        other_folder = Path(other.stdout.readline().strip())
+        assert other_folder.is_dir()
+        reply = kernel.run("%%colossal\nimport os, signal\n"
+                           "if rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                           "import time; time.sleep(30)\n", timeout_s=60)
+        assert reply.status == "error" and "rank 1" in reply.evalue, reply.evalue
+        assert folders[1].is_dir()  # a SIGKILLed rank cannot clean up after itself
+        kernel.run_ok("%colossal restart", timeout_s=180)
+        assert not folders[1].exists(), "the killed rank's spill folder is still there"
+        assert other_folder.is_dir(), "another running pool's spill folder was removed"
+    finally:
+        other.kill()
