@@ -33,9 +33,7 @@ from kernels_runtime.memory.placement import Placer, Trace, static_homes
 from kernels_runtime.memory.tiers import Payload, Tier, TierStore
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.shards import ParamLayout
-from kernels_runtime.optim import check_elementwise
-from kernels_runtime.parallel.data.zero import named_param_groups
-from kernels_runtime.precision import compute_dtype
+from kernels_runtime.parallel.data.zero import sharded_strategy
 
 
 def _in_backward() -> bool:
@@ -49,14 +47,9 @@ class ChunkGradSync(ChunkStep):
         precision: str, store: TierStore, placer_args: dict, chunk_mb: float = 32.0,
         replaced: dict[int, nn.Parameter] | None = None,
     ) -> None:
-        check_elementwise(optimizer)
-        self.ctx, self.stage = ctx, zero_stage
-        self.dtype = compute_dtype(precision)
-        self.dp, self.dp_rank = ctx.dp_size, ctx.dp_rank
-        groups = named_param_groups(model, optimizer, replaced)
+        groups = sharded_strategy(self, model, optimizer, ctx, layouts, zero_stage, precision,
+                                  replaced)
         self._groups = len(groups)
-        self.layouts = {n: layouts.get(n) or ParamLayout.replicated(tuple(p.shape))
-                        for g in groups for n, p in g}
         model.to(ctx.device)
         self.units: list[Unit] = find_units(model, blocks)
         self.chunks: list[ChunkLayout] = build_chunks(

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kernels_runtime.parallel.data.buckets import Bucket, flat_segments
+
 
 @dataclass(eq=False)
 class ChunkLayout:
@@ -37,21 +39,13 @@ class ChunkLayout:
     padded: int  # numel rounded up to a multiple of dp
     dp: int
 
-    @property
-    def shard_size(self) -> int:
-        return self.padded // self.dp
-
-    def shard_range(self, dp_rank: int) -> tuple[int, int]:
-        return dp_rank * self.shard_size, (dp_rank + 1) * self.shard_size
+    shard_size = Bucket.shard_size
+    shard_range = Bucket.shard_range
 
     def segments(self, start: int, end: int) -> list[tuple[int, int, int]]:
-        """Params overlapping flat range [start, end): (param index, param-local start, end)."""
-        out = []
-        for i, (shape, off) in enumerate(zip(self.shapes, self.offsets)):
-            lo, hi = max(start, off), min(end, off + math.prod(shape))
-            if lo < hi:
-                out.append((i, lo - off, hi - off))
-        return out
+        """Params overlapping flat range [start, end) (by their shapes: released ones are
+        empty)."""
+        return flat_segments([math.prod(s) for s in self.shapes], self.offsets, start, end)
 
     def flat_values(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The parameters' current values as one padded flat tensor."""

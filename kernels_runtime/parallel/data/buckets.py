@@ -40,13 +40,19 @@ class Bucket:
         return dp_rank * self.shard_size, (dp_rank + 1) * self.shard_size
 
     def segments(self, start: int, end: int) -> list[tuple[int, int, int]]:
-        """Params overlapping flat range [start, end): (param index, param-local start, end)."""
-        out = []
-        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
-            lo, hi = max(start, off), min(end, off + p.numel())
-            if lo < hi:
-                out.append((i, lo - off, hi - off))
-        return out
+        return flat_segments([p.numel() for p in self.params], self.offsets, start, end)
+
+
+def flat_segments(sizes: list[int], offsets: list[int], start: int,
+                  end: int) -> list[tuple[int, int, int]]:
+    """Tensors of ``sizes`` at flat ``offsets`` overlapping [start, end): (index, tensor-local
+    start, end)."""
+    out = []
+    for i, (size, off) in enumerate(zip(sizes, offsets)):
+        lo, hi = max(start, off), min(end, off + size)
+        if lo < hi:
+            out.append((i, lo - off, hi - off))
+    return out
 
 
 def build_buckets(

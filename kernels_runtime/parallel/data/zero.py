@@ -71,6 +71,24 @@ def named_param_groups(
     return groups
 
 
+def sharded_strategy(
+    sync: GradSync, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
+    layouts: dict[str, ParamLayout], zero_stage: int, precision: str,
+    replaced: dict[int, nn.Parameter] | None,
+) -> list[list[tuple[str, nn.Parameter]]]:
+    """What every strategy that shards over dp sets first (flat buckets here, offload's
+    chunks): the element-wise check, context, stage, dtype, dp coordinates and a layout for
+    every trainable parameter; returns the optimizer's named param groups."""
+    check_elementwise(optimizer)
+    sync.ctx, sync.stage = ctx, zero_stage
+    sync.dtype = compute_dtype(precision)
+    sync.dp, sync.dp_rank = ctx.dp_size, ctx.dp_rank
+    groups = named_param_groups(model, optimizer, replaced)
+    sync.layouts = {n: layouts.get(n) or ParamLayout.replicated(tuple(p.shape))
+                    for g in groups for n, p in g}
+    return groups
+
+
 def _nothing() -> None:
     return None
 
@@ -88,13 +106,8 @@ class ZeroGradSync(GradSync):
         bucket_mb: float = 8.0,
         replaced: dict[int, nn.Parameter] | None = None,
     ) -> None:
-        check_elementwise(optimizer)
-        self.ctx, self.stage = ctx, zero_stage
-        self.dtype = compute_dtype(precision)
-        self.dp, self.dp_rank = ctx.dp_size, ctx.dp_rank
-        groups = named_param_groups(model, optimizer, replaced)
-        self.layouts = {n: layouts.get(n) or ParamLayout.replicated(tuple(p.shape))
-                        for g in groups for n, p in g}
+        groups = sharded_strategy(self, model, optimizer, ctx, layouts, zero_stage, precision,
+                                  replaced)
         model.to(ctx.device)
         self.buckets = build_buckets(groups, self.dp, int(bucket_mb * 2**20),
                                      key=lambda name: self.layouts[name].signature)
