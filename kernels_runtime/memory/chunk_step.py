@@ -15,6 +15,7 @@ one-element proxies and the factor it applies is carried to the chunk's step (``
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -32,6 +33,7 @@ class ChunkStep(GradSync):
         self._scale: torch.Tensor | float | None = None
         self.last_step: dict = {}
         self._pinned: list[Payload] = []
+        self.optimizer_seconds = 0.0  # in the inner optimizer's arithmetic, cumulative
 
     # ---- gradients as the boosted optimizer sees them -------------------------------------
     def master_grads(self) -> list[GradShard]:
@@ -109,7 +111,9 @@ class ChunkStep(GradSync):
         master.handle.grad = g
         if not self.states[i]:  # room for the states this first step creates (Adam's two)
             self.placer.make_room(where, 2 * master.nbytes)
+        start = time.perf_counter()
         inner.step()
+        self.optimizer_seconds += time.perf_counter() - start
         master.handle.grad = None
         self._adopt_states(inner, i)
         self._publish(i)

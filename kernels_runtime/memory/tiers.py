@@ -154,8 +154,10 @@ class TierStore:
             self._writes[payload.key] = (self.disk.write(payload.key, host), host, payload)
             payload.handle.data = torch.empty(0, dtype=payload.dtype)
             self._add(Tier.DISK, payload.nbytes)
-        elif source == Tier.DISK and tier == Tier.HOST:
-            payload.handle.data = data  # the read buffer is host memory already
+        elif (source == Tier.DISK and tier == Tier.HOST) or not self.accelerator.queues_work:
+            # the read buffer is host memory already; on a host-only machine the device tier is
+            # the same memory, so moving between it and the host is a change of account
+            payload.handle.data = data
             self._add(tier, payload.nbytes)
         else:
             target = self._empty(payload.numel, payload.dtype, tier)
