@@ -80,6 +80,12 @@ class ChunkGradSync(ChunkStep):
         self._gathered: set[int] = set()
         self._init_step()
         self._install_hooks()
+        self.placer.floor[Tier.DEVICE] = max(
+            sum(self.chunks[i].padded * (self.dtype.itemsize + 4) for i in u.chunks)
+            for u in self.units) if self.units else 0  # a unit's parameters and gradients
+        self.placer.floor[Tier.HOST] = max((c.shard_size * 4 * 4 for c in self.chunks),
+                                           default=0)
+        self.placer.check_budgets()
 
     # ---- construction --------------------------------------------------------------------
     def _predicted_trace(self) -> Trace:

@@ -73,6 +73,7 @@ class Placer:
         self.store, self.mode = store, mode
         self.budget = {Tier.DEVICE: device_budget, Tier.HOST: host_budget, Tier.DISK: None}
         self.reserve = 0  # device bytes that are not model state (measured by the first step)
+        self.floor = {t: 0 for t in Tier}  # the least one step needs at once on each tier
         self.home: dict[str, Tier] = {}
         self.resident: dict[Tier, dict[str, Payload]] = {t: {} for t in Tier}
         self.trace = predicted
@@ -145,7 +146,7 @@ class Placer:
             reserve = self.reserve if tier == Tier.DEVICE else 0
             measured = (f" and {human_bytes(reserve)} of activations and buffers measured in "
                         "the first step") if reserve else ""
-            need = self.store.used[tier] + nbytes + reserve
+            need = max(self.store.used[tier] + nbytes, self.floor[tier]) + reserve
             raise BudgetError(
                 f"the {tier.label} budget of {human_bytes(self.budget[tier])} per rank cannot "
                 f"hold what this step needs at once: {human_bytes(self.store.used[tier])} in "
@@ -157,6 +158,19 @@ class Placer:
         if payload.tier == Tier.DISK and (self.store.used[Tier.HOST] + payload.nbytes
                                           <= self.limit(Tier.HOST)):
             self.store.prefetch(payload)
+
+    def check_budgets(self) -> None:
+        """Before the first step: each budget holds the least one step needs (the largest
+        unit gathered with its gradient buffer on the device; one chunk's gradient, master
+        and states on the host), or a ``BudgetError`` states that minimum per tier."""
+        short = [f"{t.label}_mem={human_bytes(self.budget[t])} < {human_bytes(self.floor[t])}"
+                 for t in (Tier.DEVICE, Tier.HOST)
+                 if self.mode == "auto" and self.floor[t] > self.limit(t)]
+        if short:
+            raise BudgetError(
+                "the per-rank budgets cannot hold what one step needs at once ("
+                + "; ".join(short) + "): raise them to at least the minimum, or use smaller "
+                "blocks (more layers of smaller width split into more units)")
 
     def enforce(self) -> None:
         """Evict until every tier is within its budget (after payloads appeared in place)."""

@@ -123,3 +123,25 @@ def test_a_full_spill_directory_is_an_error_and_loses_nothing(ranks, tmp_path):
     out = ranks(2).run(_file_size_limit, str(tmp_path), timeout_s=300)[0]
     assert out["folder"] in out["error"] and "file-size limit" in out["error"], out
     assert out["complete"], "a payload whose spill failed is neither in memory nor complete"
+
+
+def _too_small(rank: int, world: int) -> str:
+    from kernels_runtime import parallelize
+
+    model = dm.make_model("gpt2")
+    try:
+        parallelize(model, torch.optim.AdamW(model.parameters()), verbose=False,
+                    ctx=context("dp=2 zero=2 offload=auto device_mem=16KiB host_mem=1KiB"))
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_a_budget_below_one_steps_working_set_fails_before_the_first_step(ranks):
+    message = ranks(2).run(_too_small)[0]
+    assert message.startswith("BudgetError"), message
+    # a GPT-2 block (12.7K parameters, whole, with its fp32 gradient buffer) and one chunk's
+    # gradient, master and two Adam states on the host (c_fc.weight, 4096 elements, a chunk
+    # of its own under so small a budget: 2048 per rank x 4 tensors x 4 bytes)
+    assert "device_mem=16.0 KiB < 99.2 KiB" in message, message
+    assert "host_mem=1.00 KiB < 32.0 KiB" in message and "at least the minimum" in message
