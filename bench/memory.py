@@ -10,8 +10,9 @@
   page cache bypassed; aim within 2x).
 
 Rounds interleave the variants; medians and the spread (min-max) over rounds are printed.
-Still to come (issue 13): the largest model under ``device_mem=256MiB`` against plain
-PyTorch, and the physical comparison inside a memory cgroup.
+Then capacity (``memory_capacity.py``): the largest model plain PyTorch trains a step of under
+``device_mem=256MiB`` against one the host tier trains under the same budget. Still to come
+(issue 13): the physical comparison inside a memory cgroup.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def _step(model, opt, plain: bool, step: int,
 
 
 def _run(rank: int, world: int, args: argparse.Namespace, spill: str) -> dict:
+    from bench import memory_capacity
     from kernels_runtime.memory.disk import measure_disk_bandwidth
 
     built = {name: _build(plan, args, spill) for name, plan in VARIANTS.items()}
@@ -108,9 +110,10 @@ def _run(rank: int, world: int, args: argparse.Namespace, spill: str) -> dict:
 
     write_bps, read_bps = measure_disk_bandwidth(Path(spill), 128 * 2**20)
     numel = sum(p.numel() for p in _model(args).parameters())
+    del built
     return {"times": times, "opt_times": opt_times, "adam_times": adam_times, "moved": moved,
-            "numel": numel,
-            "disk": (write_bps, read_bps)}
+            "numel": numel, "disk": (write_bps, read_bps),
+            "capacity": memory_capacity.run(args, spill)}
 
 
 def _spread(values: list[float]) -> str:
@@ -144,6 +147,9 @@ def report(out: dict) -> dict:
           f" (aim >= 1.0x); the whole host optimizer step (gradients to the host, parameters "
           f"published) {ratios['host_step_speed']:.2f}x")
     print(f"disk-tier step / disk-bandwidth bound: {ratios['disk_vs_bound']:.2f} (aim <= 2)")
+    from bench import memory_capacity
+
+    ratios["device_budget_capacity"] = memory_capacity.report(out["capacity"])
     return ratios
 
 
@@ -153,6 +159,7 @@ QUICK = {"hidden": 64, "layers": 2, "seq": 32, "batch": 2, "rounds": 2}
 def main(argv: list[str]) -> dict:
     import tempfile
 
+    from bench import memory_capacity
     from kernels_runtime.launch import run_ranks
 
     parser = argparse.ArgumentParser(prog="python -m bench memory")
@@ -162,9 +169,10 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds")
+    memory_capacity.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
-        for k, v in QUICK.items():
+        for k, v in {**QUICK, **memory_capacity.QUICK}.items():
             setattr(args, k, v)
     with tempfile.TemporaryDirectory(prefix="bench-memory-", dir=".") as spill:
         out = run_ranks(_run, 1, args, spill, timeout_s=1800)[0]

@@ -1,0 +1,56 @@
+"""Peak bytes of live tensors during a piece of work, counted as a device allocator would.
+
+A CPU has no ``torch.cuda.max_memory_allocated``, and RSS mixes in the interpreter, the
+allocator's free lists and page cache. What a GPU's caching allocator counts is the bytes of
+every live tensor storage, so ``LiveBytes`` counts exactly that: a ``TorchDispatchMode`` sees
+every op's outputs (forward, backward on the calling thread, the optimizer's in-place and
+fused kernels), registers each new storage once with a weak reference, and before each op
+drops the storages that died since. Storages alive when it starts (the parameters) count from
+the start. The peak is at op granularity, which is where an allocator's peak is too; what it
+leaves out is the allocator's rounding and fragmentation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class LiveBytes(TorchDispatchMode):
+    """``with LiveBytes(model.parameters()) as live: step()``, then ``live.peak`` (bytes)."""
+
+    def __init__(self, already_live: Iterable[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[int, StorageWeakRef]] = {}
+        self.now = 0
+        self.peak = 0
+        for t in already_live:
+            self._register(t)
+
+    def _register(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() == 0 or key in self._live:
+            return
+        self._live[key] = (storage.nbytes(), StorageWeakRef(storage))
+        self.now += storage.nbytes()
+        self.peak = max(self.peak, self.now)
+
+    def _sweep(self) -> None:
+        dead = [k for k, (_, ref) in self._live.items() if ref.expired()]
+        for key in dead:
+            self.now -= self._live.pop(key)[0]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        self._sweep()
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._register(t)
+        return out
