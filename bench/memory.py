@@ -11,8 +11,9 @@
 
 Rounds interleave the variants; medians and the spread (min-max) over rounds are printed.
 Then capacity (``memory_capacity.py``): the largest model plain PyTorch trains a step of under
-``device_mem=256MiB`` against one the host tier trains under the same budget. Still to come
-(issue 13): the physical comparison inside a memory cgroup.
+``device_mem=256MiB`` against one the host tier trains under the same budget; and physical
+capacity (``memory_cgroup.py``): the largest model plain PyTorch trains a step of inside a
+768 MiB memory cgroup against one the disk tier trains there.
 """
 
 from __future__ import annotations
@@ -116,6 +117,12 @@ def _run(rank: int, world: int, args: argparse.Namespace, spill: str) -> dict:
             "capacity": memory_capacity.run(args, spill)}
 
 
+def _physical(args: argparse.Namespace, spill: str) -> dict | str:
+    from bench import memory_cgroup
+
+    return memory_cgroup.run(args, spill)
+
+
 def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
@@ -150,6 +157,9 @@ def report(out: dict) -> dict:
     from bench import memory_capacity
 
     ratios["device_budget_capacity"] = memory_capacity.report(out["capacity"])
+    from bench import memory_cgroup
+
+    ratios["cgroup_capacity"] = memory_cgroup.report(out["physical"])
     return ratios
 
 
@@ -159,7 +169,7 @@ QUICK = {"hidden": 64, "layers": 2, "seq": 32, "batch": 2, "rounds": 2}
 def main(argv: list[str]) -> dict:
     import tempfile
 
-    from bench import memory_capacity
+    from bench import memory_capacity, memory_cgroup
     from kernels_runtime.launch import run_ranks
 
     parser = argparse.ArgumentParser(prog="python -m bench memory")
@@ -170,10 +180,12 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds")
     memory_capacity.add_arguments(parser)
+    memory_cgroup.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
-        for k, v in {**QUICK, **memory_capacity.QUICK}.items():
+        for k, v in {**QUICK, **memory_capacity.QUICK, **memory_cgroup.QUICK}.items():
             setattr(args, k, v)
     with tempfile.TemporaryDirectory(prefix="bench-memory-", dir=".") as spill:
         out = run_ranks(_run, 1, args, spill, timeout_s=1800)[0]
+        out["physical"] = _physical(args, spill)  # trials are processes of their own
     return report(out)

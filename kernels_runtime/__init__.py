@@ -38,6 +38,7 @@ _PUBLIC = {
     "CheckpointError": "kernels_runtime.checkpoint",
     "get_policy": "kernels_runtime.policies",
     "register_policy": "kernels_runtime.policies",
+    "deferred_parameters": "kernels_runtime.policies.deferred",
 }
 
 __all__ = sorted(_PUBLIC)

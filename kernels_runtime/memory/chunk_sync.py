@@ -24,6 +24,7 @@ chunk (``chunk_step.py``), each wherever its master lives.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
@@ -34,6 +35,7 @@ from kernels_runtime.memory.tiers import Payload, Tier, TierStore
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.shards import ParamLayout
 from kernels_runtime.parallel.data.zero import sharded_strategy
+from kernels_runtime.policies.deferred import materialize, move_real
 
 
 def _in_backward() -> bool:
@@ -50,7 +52,9 @@ class ChunkGradSync(ChunkStep):
         groups = sharded_strategy(self, model, optimizer, ctx, layouts, zero_stage, precision,
                                   replaced)
         self._groups = len(groups)
-        model.to(ctx.device)
+        move_real(model, ctx.device)  # deferred parameters are materialized unit by unit
+        self._model = model
+        self._blocks = blocks
         self.units: list[Unit] = find_units(model, blocks)
         self.chunks: list[ChunkLayout] = build_chunks(
             self.units, blocks, groups, self.dp, int(chunk_mb * 2**20),
@@ -63,6 +67,7 @@ class ChunkGradSync(ChunkStep):
         self.states: list[dict[str, Payload]] = [{} for _ in self.chunks]
         self._chunk_of = {id(p): c.index for c in self.chunks for p in c.params}
         self._offset = {id(p): off for c in self.chunks for p, off in zip(c.params, c.offsets)}
+        self._materialized: set[int] = set()
         for c in self.chunks:
             self._make_payloads(c)
         self._working: dict[int, Payload] = {}  # gathered buffers (zero 3, dp > 1)
@@ -97,6 +102,8 @@ class ChunkGradSync(ChunkStep):
         return Trace(keys)
 
     def _make_payloads(self, c: ChunkLayout) -> None:
+        if c.unit not in self._materialized and any(p.is_meta for p in c.params):
+            self._materialize(c.unit)
         flat = c.flat_values(torch.float32, self.ctx.device)  # (padded,)
         shard = flat[slice(*c.shard_range(self.dp_rank))]  # (padded/dp,)
         values = shard if self.stage == 3 else flat
@@ -113,6 +120,24 @@ class ChunkGradSync(ChunkStep):
         self.param.append(param)
         self.master.append(master)
         c.detach_params()
+
+    def _materialize(self, u: int) -> None:
+        """A deferred unit's parameters get storage and their initial values now; the chunks
+        built before it already went to their tiers (``policies/deferred.py``)."""
+        if self.param and self.placer.mode == "auto":
+            self.placer.enforce()  # the units built so far leave the room they must
+        self._materialized.add(u)
+        unit = self.units[u]
+        blocks = {id(b) for b in self._blocks}
+        modules = list(unit.module.modules()) if id(unit.module) in blocks else [unit.module]
+        materialize(self._model, modules, self.ctx.device)
+        if self.dp > 1:
+            params = [p for m in modules for p in m.parameters(recurse=False)]
+            src = dist.get_global_rank(self.ctx.dp_group, 0)
+            pending = [self.ctx.comm.broadcast_async(p.data, src=src, group=self.ctx.dp_group)
+                       for p in params]
+            for op in pending:
+                op.wait()
 
     def master_groups(self) -> list[list[torch.Tensor]]:
         return [[self.master[c.index].handle for c in self.chunks if c.group == g]

@@ -20,6 +20,7 @@ from torch import nn
 from kernels_runtime.comm.accelerator import Accelerator
 from kernels_runtime.memory.chunk_sync import ChunkGradSync
 from kernels_runtime.memory.disk import DiskStore
+from kernels_runtime.memory.host_malloc import return_freed_memory
 from kernels_runtime.memory.spill import SpillDir, spill_root
 from kernels_runtime.memory.tiers import TierStore
 from kernels_runtime.mesh.sizes import format_bytes
@@ -48,6 +49,7 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     if plan.offload == "none" or state.optimizer is None:
         return model
     ctx = state.ctx.fold_sp()
+    return_freed_memory()  # chunk-sized buffers come and go all step (host_malloc.py)
     accelerator = Accelerator.for_backend(dist.get_backend())
     folder = _model_folder(state.spill_dir, ctx.rank) if _may_spill(plan) else None
     store = TierStore(accelerator, disk=(lambda: DiskStore(folder)) if folder else None,

@@ -28,6 +28,8 @@ import torch
 
 from kernels_runtime.comm.accelerator import Accelerator
 
+WRITE_BEHIND_BYTES = 64 * 2**20  # the most spilled bytes still held in memory while written
+
 
 class Tier(enum.IntEnum):
     DEVICE = 0
@@ -72,6 +74,7 @@ class TierStore:
         self.wait_seconds = 0.0
         self._reads: dict[str, tuple[Future, torch.Tensor]] = {}
         self._writes: dict[str, tuple[Future, torch.Tensor, Payload]] = {}
+        self.write_behind_bytes = WRITE_BEHIND_BYTES
 
     # ---- accounting ----------------------------------------------------------------------
     def _add(self, tier: Tier, nbytes: int, working: bool = False) -> None:
@@ -166,6 +169,8 @@ class TierStore:
             self._add(tier, payload.nbytes)
         self._sub(source, payload.nbytes)
         payload.tier = tier
+        if tier == Tier.DISK:
+            self._reap()  # the payload is on the disk tier: a failed write restores it
 
     def _to_host(self, data: torch.Tensor) -> torch.Tensor:
         host = self._empty(data.numel(), data.dtype, Tier.HOST)
@@ -226,6 +231,15 @@ class TierStore:
             payload.tier = Tier.HOST
             self._sub(Tier.DISK, payload.nbytes)
             self._add(Tier.HOST, payload.nbytes)
+
+    def _reap(self) -> None:
+        """Release the memory of completed write-behinds, and wait for the oldest while more
+        than ``write_behind_bytes`` are in flight: spilling must not hold what it spilled."""
+        pending = 0
+        for key, (future, _host, payload) in reversed(list(self._writes.items())):
+            pending += payload.nbytes
+            if future.done() or pending > self.write_behind_bytes:
+                self._collect(self._writes.pop(key))
 
     def _settle_write(self, payload: Payload) -> None:
         written = self._writes.pop(payload.key, None)

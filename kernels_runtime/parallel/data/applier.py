@@ -21,17 +21,25 @@ from kernels_runtime.parallel.data.fsdp import FsdpGradSync, FsdpState, shard_mo
 from kernels_runtime.parallel.data.replicated import ReplicatedState
 from kernels_runtime.parallel.data.zero import ZeroGradSync, cast_params
 from kernels_runtime.parallel.state import ParallelState
+from kernels_runtime.policies.deferred import has_deferred, move_real
 from kernels_runtime.precision import compute_dtype
 
 
 def check(state: ParallelState, model: nn.Module) -> str | None:
-    """Nothing is refused here: every zero stage runs (``Plan.validate`` checked the rest)."""
+    """Every zero stage runs (``Plan.validate`` checked the rest); deferred parameters (on the
+    meta device) are materialized only by the offload applier, one unit at a time."""
+    offloading = state.ctx.plan.offload != "none" and state.optimizer is not None
+    if has_deferred(model) and not offloading:
+        return ("the model's parameters are on the meta device (built under "
+                "deferred_parameters()): only an offloading plan with an optimizer "
+                "materializes them, unit by unit (e.g. add 'zero=3 offload=auto "
+                "device_mem=...'); otherwise build the model normally")
     return None
 
 
 def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     ctx, plan = state.ctx.fold_sp(), state.ctx.plan  # sp ranks are data replicas here
-    model.to(ctx.device)
+    move_real(model, ctx.device)  # deferred (meta) parameters are materialized later
     sync_module_states(model, ctx)
     offloading = plan.offload != "none" and state.optimizer is not None
     if offloading:
@@ -68,7 +76,7 @@ def sync_module_states(model: nn.Module, ctx: ParallelContext) -> None:
         return
     group = ctx.dp_group
     src = dist.get_global_rank(group, 0)
-    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.numel()]
+    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.numel() and not t.is_meta]
     pending = [ctx.comm.broadcast_async(t.data, src=src, group=group) for t in tensors]
     for op in pending:
         op.wait()

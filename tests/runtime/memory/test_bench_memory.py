@@ -4,6 +4,8 @@ peaks are within the budget they claim to fit."""
 
 from __future__ import annotations
 
+import os
+
 
 def test_the_memory_benchmark_reports_its_ratios(capsys):
     from bench.memory import main
@@ -11,8 +13,14 @@ def test_the_memory_benchmark_reports_its_ratios(capsys):
     ratios = main(["--quick"])
     printed = capsys.readouterr().out
     assert set(ratios) == {"auto_vs_no_offload", "host_adam_speed", "host_step_speed",
-                           "disk_vs_bound", "device_budget_capacity"}
+                           "disk_vs_bound", "device_budget_capacity", "cgroup_capacity"}
+    physical = ratios.pop("cgroup_capacity")
     assert all(r > 0 for r in ratios.values()), ratios
+    if os.geteuid() == 0:  # the cgroup trials ran: both sides trained inside the group
+        assert physical is not None and physical > 0, printed
+        assert "memory cgroup (page cache counted)" in printed and "killed" not in printed
+    else:
+        assert physical is None and "skipped (not root)" in printed
     for words in ("disk, everything", "page cache bypassed", "aim <= 1.05", "aim >= 1.0x",
                   "aim >= 25x", "host tier h=64 L=12"):
         assert words in printed
