@@ -11,7 +11,10 @@ events) re-predicts the plan, and an impossible choice shows ``Plan.validate``'s
 pipeline: while a ``%%colossal --plan "pp=2 mb=4"`` cell trains an ``nn.Sequential`` over two
 stages, the stage timeline (one row per pipeline rank, a bar per forward and backward) is drawn
 both in the live plot under the cell and on the extension's dashboard page, and the dashboard
-page's communication chart names the pipeline's point-to-point traffic.
+page's communication chart names the pipeline's point-to-point traffic. And, in the same
+session, heterogeneous memory: while the next cell trains a tiny GPT-2 with its whole model
+state offloaded to disk, the offload panel ("model state per tier") shows both ranks with a
+non-zero disk tier, under the cell and on the dashboard page.
 Screenshots go to ``artifacts/browser/``.
 
 "While running" is judged inside the page: a sampler (setInterval, 200 ms) records the plot's
@@ -268,48 +271,84 @@ for step in range(60):  # paced, so the plots have time to move
     time.sleep(0.25)
 print(f"pipeline trained {step + 1} steps, loss {result.loss:.4f}")"""
 
-# Bars of the stage timeline: in the notebook the plot titled "pipeline stages" under the
-# cell (the dashboard's second figure), on the page its #stages chart.
-STAGE_SAMPLER = """() => {
+OFFLOAD_CELL = """%%colossal --plan "OFFLOAD_PLAN" --dashboard
+import time
+import torch
+import transformers
+from kernels_runtime.api import parallelize, train_step
+from kernels_runtime.mesh.context import ParallelContext
+
+transformers.logging.set_verbosity_error()
+torch.manual_seed(0)
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+    n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0))
+model, opt = parallelize(model, torch.optim.AdamW(model.parameters()),
+                         ctx=ParallelContext.build(plan, comm), verbose=False)
+for step in range(80):  # paced, so the plots have time to move
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step + rank))
+    result = train_step(model, opt, [(ids, ids)])
+    time.sleep(0.2)
+print(f"offloaded {step + 1} steps, {opt.sync.tier_bytes()['disk']} bytes on disk")
+""".replace("OFFLOAD_PLAN", "dp=2 zero=2 offload=static offload_params=1 offload_grads=1 "
+            "offload_optim=1 host_mem=0")  # all model state on disk between steps
+
+# Sampled in both pages: the stage timeline's bars (the plot titled "pipeline stages" under the
+# pipeline cell; the page's #stages) and the offload panel's disk bars, from the data plotly.js
+# keeps on the plot (the plot titled "model state per tier" under its cell; the page's #offload).
+PANELS_JS = """
+  const bars = plot => plot ? plot.querySelectorAll('.barlayer .point').length : 0;
+  const disk = plot => {
+    const t = plot && (plot.data || []).find(t => t.name === 'model state: disk');
+    return t ? {ranks: [...t.x], disk: [...t.y]} : {ranks: [], disk: []};
+  };
   window.__stages = [];
+  window.__offload = [];"""
+PANELS_SAMPLER = """() => {__PANELS__
+  const cellOf = text => [...document.querySelectorAll('.jp-CodeCell')]
+    .find(c => c.textContent.includes(text));
+  const titled = (cell, title) => cell && [...cell.querySelectorAll('.js-plotly-plot')]
+    .find(p => (p.querySelector('.gtitle') || {}).textContent?.startsWith(title));
+  const prompt = cell => cell ? cell.querySelector('.jp-InputPrompt').textContent : '';
   setInterval(() => {
-    const cell = [...document.querySelectorAll('.jp-CodeCell')]
-      .find(c => c.textContent.includes('pp=2 mb=4'));
-    const plot = cell && [...cell.querySelectorAll('.js-plotly-plot')]
-      .find(p => (p.querySelector('.gtitle') || {}).textContent?.startsWith('pipeline stages'));
-    window.__stages.push({
-      bars: plot ? plot.querySelectorAll('.barlayer .point').length : 0,
-      prompt: cell ? cell.querySelector('.jp-InputPrompt').textContent : ''
-    });
+    const pipeline = cellOf('pp=2 mb=4'), offload = cellOf('offload=static');
+    window.__stages.push({bars: bars(titled(pipeline, 'pipeline stages')),
+                          prompt: prompt(pipeline)});
+    window.__offload.push({...disk(titled(offload, 'model state per tier')),
+                           running: prompt(offload).includes('*')});
   }, 200);
-}"""
-PAGE_STAGE_SAMPLER = """() => {
-  window.__stages = [];
+}""".replace("__PANELS__", PANELS_JS)
+PAGE_PANELS_SAMPLER = """() => {__PANELS__
+  const shown = id => document.getElementById(id).hidden ? null : document.getElementById(id);
   setInterval(() => {
-    const el = document.getElementById('stages');
-    window.__stages.push({
-      bars: el.hidden ? 0 : el.querySelectorAll('.barlayer .point').length,
-      running: document.getElementById('status').dataset.cellRunning
-    });
+    const running = document.getElementById('status').dataset.cellRunning === 'true';
+    window.__stages.push({bars: bars(shown('stages')), running});
+    window.__offload.push({...disk(shown('offload')), running});
   }, 200);
-}"""
-STAGES_WHILE_RUNNING = """() => {
-  const el = document.getElementById('stages');
+}""".replace("__PANELS__", PANELS_JS)
+SHOWN_WHILE_RUNNING = """id => {
+  const el = document.getElementById(id);
   return !el.hidden && el.querySelectorAll('.barlayer .point').length > 0
     && document.getElementById('status').dataset.cellRunning === 'true';
 }"""
 
 
-def test_stage_timeline_while_a_pipeline_cell_runs(tmp_path):
+def _on_disk_while_running(samples: list[dict]) -> list[dict]:
+    """Samples taken while the cell ran that show both ranks with model state on disk."""
+    return [s for s in samples if s["running"] and s["ranks"] == ["rank 0", "rank 1"]
+            and all(n > 0 for n in s["disk"])]
+
+
+def test_stage_timeline_and_offload_panel_while_their_cells_run(tmp_path):
     import nbformat
 
     with _lab_page(tmp_path, "failure-pipeline.png") as (page, server):
-        cells = ["%load_ext workbench\n%colossal start -n 2", PIPELINE_CELL, "%colossal stop"]
+        cells = ["%load_ext workbench\n%colossal start -n 2", PIPELINE_CELL, OFFLOAD_CELL,
+                 "%colossal stop"]
         nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
         nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                      "language": "python"}
         nbformat.write(nb, server.root / "pipeline_check.ipynb")
-        sidebar = _run_all_cells(page, server, "pipeline_check.ipynb", STAGE_SAMPLER)
+        sidebar = _run_all_cells(page, server, "pipeline_check.ipynb", PANELS_SAMPLER)
 
         pool = sidebar.locator(".jp-Colossal-pool[data-ranks='2']")
         pool.wait_for(timeout=120 * MS)
@@ -317,8 +356,8 @@ def test_stage_timeline_while_a_pipeline_cell_runs(tmp_path):
         dash = page.context.new_page()
         dash.goto(href if href.startswith("http") else server.url + href)
         dash.wait_for_selector("#status[data-state]:not([data-state=''])", timeout=30 * MS)
-        dash.evaluate(PAGE_STAGE_SAMPLER)
-        dash.wait_for_function(STAGES_WHILE_RUNNING, timeout=180 * MS)
+        dash.evaluate(PAGE_PANELS_SAMPLER)
+        dash.wait_for_function(SHOWN_WHILE_RUNNING, arg="stages", timeout=180 * MS)
         dash.screenshot(path=str(ARTIFACTS / "7-stage-timeline-dashboard-page.png"),
                         full_page=True)
         dash.locator("#comm .legendtext", has_text="pp p2p (sent)").wait_for(timeout=10 * MS)
@@ -330,19 +369,36 @@ def test_stage_timeline_while_a_pipeline_cell_runs(tmp_path):
         stages.scroll_into_view_if_needed()
         page.screenshot(path=str(ARTIFACTS / "8-stage-timeline-notebook.png"))
 
+        dash.wait_for_function(SHOWN_WHILE_RUNNING, arg="offload", timeout=180 * MS)
+        dash.screenshot(path=str(ARTIFACTS / "9-offload-dashboard-page.png"), full_page=True)
+        cell = page.locator(".jp-CodeCell", has_text="offload=static")
+        panel = cell.locator(".js-plotly-plot", has=page.locator(
+            ".gtitle", has_text="model state per tier"))
+        panel.locator(".barlayer .point").first.wait_for(state="attached", timeout=60 * MS)
+        panel.scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "10-offload-notebook.png"))
+
         last_prompt = page.locator(".jp-CodeCell .jp-InputPrompt").last
         page.wait_for_function("el => /\\[\\d+\\]/.test(el.textContent)",
                                arg=last_prompt.element_handle(), timeout=180 * MS)
         errors = page.locator("[data-mime-type='application/vnd.jupyter.error']")
         assert errors.count() == 0, errors.first.inner_text()
-        assert "pipeline trained 60 steps" in page.locator(".jp-Notebook").inner_text()
+        text = page.locator(".jp-Notebook").inner_text()
+        assert "pipeline trained 60 steps" in text and "offloaded 80 steps" in text
 
         notebook = [s for s in page.evaluate("window.__stages") if "*" in s["prompt"]]
         drawn = [s["bars"] for s in notebook if s["bars"] > 0]
         # 2 ranks x (4 forwards + 4 backwards), plus the idle bars of the receive waits
         assert drawn and max(drawn) >= 16, f"no stage timeline under the running cell: {drawn}"
         on_page = [s["bars"] for s in dash.evaluate("window.__stages")
-                   if s["running"] == "true" and s["bars"] > 0]
+                   if s["running"] and s["bars"] > 0]
         assert on_page and max(on_page) >= 16, f"no stage timeline on the page: {on_page}"
         print(f"while the pipeline cell ran: {len(drawn)} samples with the stage timeline in "
               f"the notebook, {len(on_page)} on the dashboard page")
+
+        notebook = _on_disk_while_running(page.evaluate("window.__offload"))
+        assert notebook, "no offload panel with both ranks on disk under the running cell"
+        on_page = _on_disk_while_running(dash.evaluate("window.__offload"))
+        assert on_page, "no offload panel with both ranks on disk on the dashboard page"
+        print(f"while the offloading cell ran: {len(notebook)} samples with both ranks' disk "
+              f"tier in the notebook, {len(on_page)} on the dashboard page")

@@ -4,7 +4,9 @@ What is protected: a pool started outside a kernel writes nothing unless asked; 
 publishing on, the file follows the pool through start, a cell (busy, telemetry, idle), stop
 and removal; a pipeline cell's file carries the stage timeline as the very traces the
 notebook's figure draws, and the pipeline's point-to-point bytes apart from its collectives;
-a file of a dead process is never listed and gets deleted; a malformed pool id
+an offloading cell's file carries the offload panel (model state per tier per rank, bytes
+moved per step) as the notebook's traces, and a cell without offload none; a file of a dead
+process is never listed and gets deleted; a malformed pool id
 cannot name a file; the server extension module does not import torch; ``workbench lab``
 builds the JupyterLab command the README promises.
 """
@@ -104,6 +106,7 @@ def test_a_pipeline_cell_carries_its_stage_timeline(runtime):
     f.cell_started("pipeline", [0, 1])
     f.cell_data({0: _snapshot(1, 1), 1: _snapshot(1, 1)})
     assert read_pool(f.pool_id)["cell"]["stages"] is None  # no pipeline yet: no panel
+    assert read_pool(f.pool_id)["cell"]["offload"] is None  # and no offload ever
     f.cell_data({r: _pipeline_snapshot(r) for r in (0, 1)}, final=True)
     cell = read_pool(f.pool_id)["cell"]
     stages = cell["stages"]
@@ -115,6 +118,38 @@ def test_a_pipeline_cell_carries_its_stage_timeline(runtime):
     assert cell["series"]["p2p_bytes"] == {"pp": [0, 1000]}  # sent, summed over ranks
     assert cell["series"]["comm_bytes"]["pp"] == [0, 8]  # the collectives alone
     assert cell["latest"]["1"]["p2p_bytes"] == {"pp": 500}
+
+
+def test_an_offloading_cell_carries_its_offload_panel(runtime):
+    from kernels_runtime.telemetry import Telemetry
+    from workbench.dashboard.figures import build_offload_figure
+
+    tels = [Telemetry(), Telemetry()]
+    f = PoolStateFile(enabled=True, min_interval_s=0.0)
+    f.update("running")
+    f.cell_started("offload", [0, 1])
+    f.cell_data({r: _snapshot(1, 1) for r in (0, 1)})
+    cell = read_pool(f.pool_id)["cell"]
+    assert cell["offload"] is None and cell["latest"]["0"]["offload_tiers"] is None
+    for seq in (2, 3, 4):
+        published = {}
+        for rank, tel in enumerate(tels):
+            tel.record_offload({"device": 0, "host": 10 * rank, "disk": 4096 + seq},
+                               {"host->disk": 512 * seq, "disk->host": 512}, 3, 0.002)
+            snap = {**_snapshot(seq, seq)["colossal_telemetry"], "offload": tel.offload}
+            published[rank] = {"colossal_telemetry": snap}
+        f.cell_data(published, final=seq == 4)
+    cell = read_pool(f.pool_id)["cell"]
+    offload = cell["offload"]
+    assert offload["title"].startswith("model state per tier · 5.0 KiB moved last step")
+    assert offload["layout"]["yaxis3"]["overlaying"] == "y2"
+    figure = build_offload_figure(f.history, widget=False)  # what the notebook draws
+    drawn = {t.name: (list(t.x), list(t.y)) for t in figure.data}
+    assert {t["name"]: (t["x"], t["y"]) for t in offload["traces"]} == drawn
+    assert drawn["model state: disk"] == (["rank 0", "rank 1"], [4100, 4100])
+    assert drawn["moved: host->disk"][1] == [2 * 512 * 2, 2 * 512 * 3, 2 * 512 * 4]
+    assert cell["latest"]["1"]["offload_tiers"] == {"device": 0, "host": 10, "disk": 4100}
+    assert cell["stages"] is None  # no pipeline in this cell
 
 
 def test_writes_during_a_cell_are_rate_limited(runtime):

@@ -292,3 +292,74 @@ def test_pipeline_notebook_runs_every_schedule_and_measures_the_bubble(tmp_path,
         assert '"p2p: pp"' in html, name
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o["output_type"] == "error"]
     assert not errors
+
+
+def test_heterogeneous_memory_trains_beyond_the_device_budget(tmp_path, monkeypatch):
+    """07 on 2 ranks: a GPT-2 with about 4.7 times more model state per rank than the automatic
+    run's device budget trains under zero=3 without offload, with static offload to host and
+    disk and with automatic placement; every offloading step evicted and moved state, the
+    device stayed within its budget, host and disk hold state at the end, the three runs
+    compute the same losses, and a budget below one step's working set names each tier's
+    minimum."""
+    import re
+
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WORKBENCH_RANKS", "2")
+    echo = io.StringIO()
+    nb = run_notebook(NOTEBOOKS / "07_heterogeneous_memory.ipynb", timeout_s=600, echo=echo,
+                      workdir=tmp_path)
+    text = echo.getvalue()
+    assert "2 ranks (WORKBENCH_RANKS=2): every plan runs as written, at dp=2" in text
+    parts = re.split(r"^plan: (.+)$", text, flags=re.M)  # [before, plan, its output, ...]
+    sections = dict(zip(parts[1::2], parts[2::2]))
+    reference, static, auto = sections.values()
+    assert list(sections) == [
+        "dp=2 zero_stage=3",
+        "dp=2 zero_stage=3 offload=static host_mem=1MiB offload_params=1 offload_grads=1 "
+        "offload_optim=1",
+        "dp=2 zero_stage=3 offload=auto device_mem=2MiB host_mem=3MiB"]
+    state = float(re.search(r"Adam states \S+ MiB = (\S+) MiB", reference).group(1))
+    ratio = float(re.search(r"2\.00 MiB per rank, (\S+)x smaller than the model state",
+                            reference).group(1))
+    assert ratio >= 3 and state >= 3 * 2.0
+
+    def placement(section: str) -> list[tuple[int, float, float]]:
+        """(evictions, MiB moved, device peak MiB) of each step line of a run."""
+        return [(int(e), float(m), float(p)) for e, m, p in re.findall(
+            r"^step +\d+  loss \S+  evictions +(\d+)  moved +(\S+) MiB  waited +\S+ ms  "
+            r"device peak (\S+) MiB$", section, re.M)]
+
+    def tiers(section: str) -> list[dict[str, float]]:
+        return [{"device": float(d), "host": float(h), "disk": float(k)} for d, h, k in
+                re.findall(r"^  rank \d: device +(\S+) MiB  host +(\S+) MiB  disk +(\S+) MiB$",
+                           section, re.M)]
+
+    assert not placement(reference)
+    for section in (static, auto):
+        steps = placement(section)
+        assert len(steps) == 12 and all(e > 0 and m > 0 for e, m, _ in steps), steps
+        assert len(tiers(section)) == 2
+        assert all(t["host"] > 0 and t["disk"] > 0 for t in tiers(section)), tiers(section)
+    assert all(peak <= 2.0 for _, _, peak in placement(auto))  # within device_mem=2MiB
+    assert all(t["device"] <= 2.0 for t in tiers(auto))
+    per_step = re.search(r"^evictions per step: \[(.+)\]$", auto, re.M).group(1)
+    assert all(int(e) > 0 for e in per_step.split(","))
+    assert re.search(r"^moved per step, mean over the run: .*host->disk \S+ MiB", auto, re.M)
+    assert float(re.search(r"spill folder of rank 0: \S+, (\S+) MiB of files", static)
+                 .group(1)) > 0
+    rel = dict(re.findall(r"^(\w+): max relative difference from the reference: (\S+)$", text,
+                          re.M))
+    assert list(rel) == ["reference", "static", "auto"]
+    assert all(float(r) <= 1e-6 for r in rel.values()), rel
+    # the budget error, before the first step: each tier's given budget and its minimum
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    error = re.search(r"^BudgetError: .+$", text, re.M).group(0)
+    found = re.findall(r"(device|host)_mem=(\S+) (\w+) < (\S+) (\w+)", error)
+    assert [tier for tier, *_ in found] == ["device", "host"], error
+    for _, given, unit, least, least_unit in found:
+        assert float(given) * units[unit] < float(least) * units[least_unit], error
+    assert "at least the minimum" in error
+    for name in ("reference", "static", "auto"):  # each run's dashboard, written as a report
+        assert (tmp_path / "reports" / f"heterogeneous_{name}.html").is_file(), name
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o["output_type"] == "error"]
+    assert not errors

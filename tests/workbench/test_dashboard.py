@@ -10,6 +10,11 @@ per forward and backward labelled by micro-batch where the rank's own published 
 says, the receive waits as idle bars and each rank's bubble in the title, and the pipeline's
 point-to-point bytes as their own "p2p: pp" line equal to the sends the ranks counted; the
 report holds the timeline too. A run without a pipeline has no stage timeline and no p2p line.
+Once a model offloads (real ``Telemetry.record_offload``, and a real dp=2 zero=2 model with
+its whole state on disk) the dashboard gains the offload panel: its bars are each rank's
+published model-state bytes per tier, its per-step series the differences of the cumulative
+counters (moved per "from->to", evictions) over the offloading steps between points, and a
+previous cell's placement, whose counters no longer move, shows no panel.
 """
 
 from __future__ import annotations
@@ -18,9 +23,15 @@ import pytest
 from ipyparallel import interactive
 
 import workbench
-from kernels_runtime.telemetry import TELEMETRY_KEY
+from kernels_runtime.telemetry import TELEMETRY_KEY, Telemetry
 from workbench.dashboard import LiveDashboard, RunHistory
-from workbench.dashboard.figures import build_figure, build_stage_figure, trace_data
+from workbench.dashboard.figures import (
+    build_figure,
+    build_offload_figure,
+    build_stage_figure,
+    trace_data,
+)
+from workbench.dashboard.offload import offload_traces
 from workbench.execution import run_cell
 from workbench.magics import active_magics, active_pool
 
@@ -144,6 +155,62 @@ def test_dashboard_modes_decide_when_it_is_shown() -> None:
     assert len(shown["auto"]) == 1
 
 
+def _offloading_steps(tels: list[Telemetry], step: int, repeat: int = 1) -> list[dict]:
+    """``repeat`` offloading steps on every rank; returns each rank's published snapshot."""
+    for _ in range(repeat):
+        for rank, tel in enumerate(tels):
+            tel.record_offload({"device": 64 * rank, "host": 1000 * step, "disk": 5000 + rank},
+                               {"host->disk": 300 + step + rank, "disk->host": 200},
+                               evictions=2 + rank, wait_seconds=0.01 * (rank + 1))
+    return [{**tel.snapshot(), "seq": step} for tel in tels]
+
+
+def _per_step(counters: list[list[dict]], name: str) -> list[float]:
+    """Per poll: the difference of each rank's cumulative counter (a trace's name says which)
+    from the previous poll, over its offloading steps in between, summed over ranks."""
+    def count(block: dict) -> float:
+        return block["evictions"] if name == "evictions" else block["moved"].get(
+            name.removeprefix("moved: "), 0)
+
+    return [sum((count(now) - count(before)) / (now["steps"] - before["steps"])
+                for now, before in zip(counters[k], counters[k - 1]))
+            for k in range(1, len(counters))]
+
+
+def test_offload_panel_is_the_placement_and_the_differences_of_the_counters() -> None:
+    tels, history = [Telemetry(), Telemetry()], RunHistory([0, 1])
+    history.ingest({r: {TELEMETRY_KEY: {**tel.snapshot(), "seq": 0}}
+                    for r, tel in enumerate(tels)})
+    assert build_offload_figure(history, widget=False) is None  # no offload yet: no panel
+    published = []
+    for step, repeat in ((1, 1), (2, 1), (3, 3), (4, 1)):  # 3 steps between two polls once
+        published.append(_offloading_steps(tels, step, repeat))
+        history.ingest({r: {TELEMETRY_KEY: snap} for r, snap in enumerate(published[-1])})
+    fig = build_offload_figure(history, widget=False)
+    data = trace_data(fig)
+    for tier in ("device", "host", "disk"):
+        assert data[f"model state: {tier}"] == (
+            ["rank 0", "rank 1"], [snap["offload"]["tiers"][tier] for snap in published[-1]])
+    zero = {"moved": {}, "evictions": 0, "steps": 0}  # before the first record: no block
+    counters = [[zero, zero]] + [[s["offload"] for s in snaps] for snaps in published]
+    for name in ("moved: host->disk", "moved: disk->host", "evictions"):
+        assert data[name][1] == pytest.approx(_per_step(counters, name)), name
+    assert data["moved: host->disk"][1] == [603, 605, 607, 609]  # 300 + step + rank, per rank
+    assert [t.name for t in fig.data] == list(data)  # unique names, each with its prefix
+    assert all(n.startswith(("model state: ", "moved: ", "evictions")) for n in data)
+    last = [s["offload"]["last_step"] for s in published[-1]]
+    assert fig.layout.title.text == (
+        f"model state per tier · {sum(sum(s['moved'].values()) for s in last)} B moved last "
+        f"step · {sum(s['evictions'] for s in last)} evictions/step · "
+        f"{sum(s['wait_seconds'] for s in last):.3f} s waited (all ranks)")
+
+    later = RunHistory([0, 1])  # a later cell without offload: the counters stand still
+    for seq in (10, 11):
+        later.ingest({r: {TELEMETRY_KEY: {**tel.snapshot(), "seq": seq}}
+                      for r, tel in enumerate(tels)})
+    assert offload_traces(later) == {} and build_offload_figure(later) is None
+
+
 # ---- real engines ------------------------------------------------------------------------
 @pytest.mark.engines
 def test_dashboard_figures_equal_the_runtime_counters(shell, tmp_path, capsys) -> None:
@@ -260,3 +327,54 @@ def test_stage_timeline_appears_while_a_pipeline_cell_runs(shell, tmp_path) -> N
                       for group, c in by_group.items()
                       if group == "pp" and op not in ("send", "recv"))
     assert data["comm: pp"][1][-1] == collectives  # the loss all-reduce over the stages
+
+
+OFFLOAD_PLAN = ("dp=2 zero=2 offload=static offload_params=1 offload_grads=1 offload_optim=1 "
+                "host_mem=0")  # every byte of model state on disk between steps
+
+
+@pytest.mark.engines
+def test_offload_panel_joins_while_an_offloading_cell_runs(shell, tmp_path) -> None:
+    shell.run_cell_magic("colossal", f'--plan "{OFFLOAD_PLAN}" --no-dashboard', SETUP)
+    live = LiveDashboard([0, 1], mode="on", display=lambda view: None)
+    shown: list[int] = []  # figures in the shown box, while the cell ran
+
+    def sink(data: dict, final: bool) -> None:
+        live(data, final)
+        if not final:
+            shown.append(len(live.view.widget.children))
+
+    live.start()
+    code = "for step in range(12):\n    train_step(model, opt, batch(step))\n    time.sleep(0.2)"
+    run_cell(active_pool(shell), code, stream=lambda *a: None, display=lambda *a: None,
+             data_sink=sink)
+    assert 2 in shown, f"the offload panel never joined the shown dashboard: {shown}"
+    assert live.view.widget.children == (live.view.figure, live.view.offload_figure)
+
+    counters = active_pool(shell).view([0, 1]).apply_sync(_rank_counters)
+    data = trace_data(live.view.offload_figure)
+    for rank, (published, _) in enumerate(counters):
+        assert live.history.latest[rank] == published  # the final flush reached the notebook
+        tiers = published["offload"]["tiers"]
+        assert tiers["disk"] > 0 and tiers["disk"] == published["memory"]["disk_spill"]
+    for tier in ("device", "host", "disk"):
+        assert data[f"model state: {tier}"] == (
+            ["rank 0", "rank 1"], [p["offload"]["tiers"][tier] for p, _ in counters])
+    # static placement moves the same bytes every step after the first (which creates Adam's
+    # states): the latest per-step figures are each rank's last step, summed
+    last = [p["offload"]["last_step"] for p, _ in counters]
+    moved = {pair for step in last for pair in step["moved"]}
+    assert moved and {f"moved: {pair}" for pair in moved} <= set(data)
+    for pair in moved:
+        assert data[f"moved: {pair}"][1][-1] == pytest.approx(
+            sum(step["moved"].get(pair, 0) for step in last))
+    assert data["evictions"][1][-1] == sum(step["evictions"] for step in last) > 0
+    report = workbench.dashboard(live.history).to_html(tmp_path / "offload.html").read_text()
+    assert report.count("Plotly.newPlot") == 2 and "model state per tier" in report
+
+    # a later cell without offload: the ranks' counters stand still, so no panel
+    shell.run_cell_magic("colossal", '--plan "dp=2" --no-dashboard',
+                         SETUP + "for step in range(4):\n    train_step(model, opt, batch(step))\n"
+                                 "    time.sleep(0.2)\n")
+    assert workbench.dashboard().history.latest[0]["offload"] == counters[0][0]["offload"]
+    assert workbench.dashboard().offload_figure is None

@@ -1,5 +1,5 @@
-"""Live plots of what the ranks publish: memory per tier, communication, throughput, and a
-pipeline's stage timeline.
+"""Live plots of what the ranks publish: memory per tier, communication, throughput, a
+pipeline's stage timeline, and an offloading model's state per tier and traffic between tiers.
 
 ``%%colossal`` feeds a ``LiveDashboard`` from its waiting loop; ``workbench.dashboard()``
 shows the last run afterwards and ``.to_html(path)`` writes a standalone report. plotly is

@@ -16,10 +16,13 @@ figure of its own because a shown widget does not reliably take a new subplot gr
 the output of a running cell detaches the old view with an error), while adding a figure
 next to the shown one is an ordinary widget operation.
 
+Likewise, once some rank's model has offloaded during the cell, a third figure: model state
+per tier per rank and what moved between tiers per step (``offload.py``).
+
 Values are the runtime's own numbers, unscaled (bytes, seconds), so what a figure shows can be
 checked against ``CommStats`` and ``Telemetry.snapshot()``; axes format them (``~s``: 1.2M).
 Every trace has a unique name (``"memory: host"``, ``"comm: dp"``, ``"tokens/s: rank 0"``,
-``"stage: F (forward)"``).
+``"stage: F (forward)"``, ``"model state: disk"``, ``"moved: host->disk"``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from workbench.dashboard.history import RunHistory
+from workbench.dashboard.offload import offload_layout, offload_traces
 from workbench.dashboard.timeline import stage_axes, stage_title, stage_traces
 
 TIERS = (("device", "device_allocated"), ("host", "host_rss"), ("disk", "disk_spill"))
@@ -132,6 +136,37 @@ def update_stage_figure(fig: go.Figure, history: RunHistory) -> None:
         for trace in fig.data:
             trace.update(traces.get(trace.name, {"x": [], "y": [], "base": [], "text": []}))
         fig.update_layout(_stage_layout(history))
+
+
+# ---- model state per tier -----------------------------------------------------------------
+def build_offload_figure(history: RunHistory, widget: bool = True) -> go.Figure | None:
+    """The offload panel of ``history`` as its own figure; None while nothing offloaded."""
+    traces = offload_traces(history)
+    if not traces:
+        return None
+    fig = go.Figure(layout={**offload_layout(history), "height": 380,
+                            "margin": {"t": 50, "b": 40},
+                            "legend": {"font": {"size": 10}, "orientation": "h", "y": -0.2,
+                                       "traceorder": "normal"}})
+    for name, props in traces.items():
+        fig.add_trace({**props, "name": name})
+    return go.FigureWidget(fig) if widget else fig
+
+
+def update_offload_figure(fig: go.Figure, history: RunHistory) -> None:
+    """Bring the offload figure up to date in one batch (a pair moved for the first time, such
+    as host->disk once the host tier is full, adds its trace)."""
+    traces = offload_traces(history)
+    have = {trace.name for trace in fig.data}
+    for name, props in traces.items():
+        if name not in have:
+            fig.add_trace({**props, "name": name})
+    with fig.batch_update():
+        for trace in fig.data:
+            props = dict(traces.get(trace.name, {"x": [], "y": []}))
+            props.pop("type", None)
+            trace.update(props)
+        fig.update_layout(offload_layout(history))
 
 
 def trace_data(fig: go.Figure) -> dict[str, tuple[list, list]]:

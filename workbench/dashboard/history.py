@@ -10,6 +10,11 @@ history costs nothing until a figure is wanted.
 Bytes per axis are split in two: collective bytes (every op but point-to-point) and
 point-to-point bytes, counted once, at the sender (a pipeline's activations and gradients on
 "pp"), so that a pipeline's traffic is named as such and not summed with its receives.
+
+An offloading rank's points also keep its cumulative offload counters (bytes moved per
+"from->to", evictions, seconds waited, offloading steps), so per-step figures are differences
+between points (``offload.py``); a rank's placement counts only once those counters move on
+during the run (``offloads``), since they outlive a cell.
 """
 
 from __future__ import annotations
@@ -37,7 +42,17 @@ def _summary(snapshot: dict[str, Any]) -> dict[str, Any]:
         "flops_per_s": tp.get("flops_per_s", 0.0),
         "comm_bytes": collective_bytes(snapshot),
         "p2p_bytes": {axis: c.get("sent", 0) for axis, c in p2p.items()},
+        "offload": _offload_counters(snapshot.get("offload")),
     }
+
+
+def _offload_counters(block: Any) -> dict[str, Any] | None:
+    """The cumulative offload counters of a snapshot (per-step figures are their
+    differences, ``offload.py``), or None: this rank has not offloaded."""
+    if not isinstance(block, dict):
+        return None
+    return {"moved": dict(block.get("moved", {})), "evictions": block.get("evictions", 0),
+            "wait_seconds": block.get("wait_seconds", 0.0), "steps": block.get("steps", 0)}
 
 
 def collective_bytes(snapshot: dict[str, Any]) -> dict[str, float]:
@@ -47,6 +62,11 @@ def collective_bytes(snapshot: dict[str, Any]) -> dict[str, float]:
     return {axis: c.get("bytes", 0) - p2p.get(axis, {}).get("sent", 0)
             - p2p.get(axis, {}).get("received", 0)
             for axis, c in snapshot.get("comm_by_axis", {}).items()}
+
+
+def _offload_steps(snapshot: dict[str, Any]) -> int:
+    block = snapshot.get("offload")
+    return int(block.get("steps", 0)) if isinstance(block, dict) else 0
 
 
 class RunHistory:
@@ -63,6 +83,7 @@ class RunHistory:
         self.latest: dict[int, dict[str, Any]] = {}  # rank -> its last snapshot
         self.points: list[Point] = []
         self._seen: dict[int, tuple] = {}
+        self._offload_start: dict[int, int] = {}  # rank -> offload steps when first seen
 
     @property
     def has_data(self) -> bool:
@@ -83,6 +104,7 @@ class RunHistory:
             if self._seen.get(rank) == key:
                 continue
             self._seen[rank], self.latest[rank], new = key, snap, True
+            self._offload_start.setdefault(rank, _offload_steps(snap))
         if new:
             ranks = {r: _summary(s) for r, s in self.latest.items()}
             self.points.append(Point(self.clock() - self.started, ranks))
@@ -118,6 +140,13 @@ class RunHistory:
         """Rank -> the timeline of its last published pipeline step; empty without a pipeline."""
         return {r: s["pipeline"] for r, s in sorted(self.latest.items())
                 if isinstance(s.get("pipeline"), dict)}
+
+    def offloads(self) -> dict[int, dict[str, Any]]:
+        """Rank -> its latest offload block, for ranks whose offloading steps moved on during
+        this run; empty without offload. The counters outlive a cell, so a block that never
+        moves on is a previous cell's model and is left out."""
+        return {r: s["offload"] for r, s in sorted(self.latest.items())
+                if _offload_steps(s) > self._offload_start.get(r, 0)}
 
     def rank_series(self, rank: int, key: str) -> list[float]:
         """``tokens_per_s``, ``samples_per_s`` or ``flops_per_s`` of one rank at each point."""

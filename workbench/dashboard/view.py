@@ -1,4 +1,8 @@
-"""``Dashboard``: a run's figures for the notebook (live widgets) and for a report file."""
+"""``Dashboard``: a run's figures for the notebook (live widgets) and for a report file.
+
+The main figure is always there; the stage timeline (a pipeline ran) and the offload panel
+(a model offloaded) join it as figures of their own once the run has their data, because a
+shown widget cannot be relayouted into a new subplot grid (``figures.py``)."""
 
 from __future__ import annotations
 
@@ -11,13 +15,15 @@ from workbench.dashboard.history import RunHistory
 
 class Dashboard:
     """Shows a ``RunHistory``: displays as a box of plotly ``FigureWidget``s (the main figure,
-    and the stage timeline below it once a pipeline step has been published); ``to_html``
-    writes a standalone report. plotly is imported on first use, not with the magics."""
+    below it the stage timeline once a pipeline step has been published and the offload panel
+    once a model has offloaded); ``to_html`` writes a standalone report. plotly is imported on
+    first use, not with the magics."""
 
     def __init__(self, history: RunHistory) -> None:
         self.history = history
         self._widget: Any = None
         self._stages: Any = None
+        self._offload: Any = None
         self._box: Any = None
 
     @property
@@ -39,9 +45,19 @@ class Dashboard:
         return self._stages
 
     @property
+    def offload_figure(self) -> Any:
+        """The live ``FigureWidget`` of model state per tier, or None while nothing offloaded."""
+        if self._offload is None:
+            from workbench.dashboard.figures import build_offload_figure
+
+            self._offload = build_offload_figure(self.history, widget=True)
+        return self._offload
+
+    @property
     def widget(self) -> Any:
-        """What is displayed: a ``VBox`` of the figures, so the stage timeline can join a
-        shown dashboard (a new child) without redrawing or replacing the main figure."""
+        """What is displayed: a ``VBox`` of the figures, so the stage timeline and the offload
+        panel can join a shown dashboard (new children) without redrawing or replacing the
+        main figure."""
         if self._box is None:
             import ipywidgets
 
@@ -51,17 +67,25 @@ class Dashboard:
 
     def refresh(self) -> None:
         """Push the history's current data into the widgets (one batched update each); the
-        first pipeline step adds the stage timeline to a shown box."""
+        first pipeline step adds the stage timeline to a shown box, the first offloading steps
+        the offload panel."""
+        from workbench.dashboard import figures
+
         if self._widget is not None:
-            from workbench.dashboard.figures import update_figure
-
-            update_figure(self._widget, self.history)
+            figures.update_figure(self._widget, self.history)
         if self._stages is not None:
-            from workbench.dashboard.figures import update_stage_figure
-
-            update_stage_figure(self._stages, self.history)
-        elif self._box is not None and self.stage_figure is not None:
+            figures.update_stage_figure(self._stages, self.history)
+        if self._offload is not None:
+            figures.update_offload_figure(self._offload, self.history)
+        if self._box is not None and self._new_figures():
             self._box.children = self._figures()
+
+    def _new_figures(self) -> bool:
+        """Builds the figures the run has data for by now; True if one of them is new (the
+        new one is built from the current data, so it needs no update)."""
+        missing = (self._stages is None, self._offload is None)
+        built = (self.stage_figure is not None, self.offload_figure is not None)
+        return any(m and b for m, b in zip(missing, built))
 
     def to_figure(self) -> Any:
         """A static ``go.Figure`` of the four main panels, e.g. to save or restyle."""
@@ -70,24 +94,26 @@ class Dashboard:
         return build_figure(self.history, widget=False)
 
     def to_html(self, path: str | os.PathLike[str], include_plotlyjs: bool | str = True) -> Path:
-        """Write a standalone HTML report, the stage timeline under the main figure if a
-        pipeline ran; plotly.js is embedded by default so the file opens offline (about 4.5
-        MB); pass ``include_plotlyjs="cdn"`` for a small file that loads it from the network."""
-        from workbench.dashboard.figures import build_stage_figure
+        """Write a standalone HTML report, under the main figure the stage timeline if a
+        pipeline ran and the offload panel if a model offloaded; plotly.js is embedded by
+        default so the file opens offline (about 4.5 MB); pass ``include_plotlyjs="cdn"`` for
+        a small file that loads it from the network."""
+        from workbench.dashboard.figures import build_offload_figure, build_stage_figure
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         page = self.to_figure().to_html(include_plotlyjs=include_plotlyjs, full_html=True)
-        stages = build_stage_figure(self.history, widget=False)
-        if stages is not None:
-            div = stages.to_html(include_plotlyjs=False, full_html=False)
-            page = page.replace("</body>", div + "</body>", 1)
+        for extra in (build_stage_figure(self.history, widget=False),
+                      build_offload_figure(self.history, widget=False)):
+            if extra is not None:
+                div = extra.to_html(include_plotlyjs=False, full_html=False)
+                page = page.replace("</body>", div + "</body>", 1)
         path.write_text(page, encoding="utf-8")
         return path
 
     def _figures(self) -> tuple[Any, ...]:
-        stages = self.stage_figure
-        return (self.figure,) if stages is None else (self.figure, stages)
+        extra = (self.stage_figure, self.offload_figure)
+        return (self.figure, *(f for f in extra if f is not None))
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
         """The box's widget bundle plus a one-line ``text/plain`` for headless runs (a

@@ -10,8 +10,10 @@ waiting on a busy kernel.
 A file holds the pool id, the id of the kernel that owns it (from the kernel's connection file
 name ``kernel-<id>.json``), the kernel's pid, the pool's state, one row per rank, and the
 telemetry of the running (or last) ``%%colossal`` cell, with its pipeline stage timeline as
-plotly traces when the cell ran a pipeline. Writes during a cell are rate-limited
-(``min_interval_s``, 0.5 s) so a long training loop costs the kernel next to nothing.
+plotly traces when the cell ran a pipeline, and its offload panel (model state per tier, bytes
+moved between tiers per step) as plotly traces and layout when a model offloaded. Writes
+during a cell are rate-limited (``min_interval_s``, 0.5 s) so a long training loop costs the
+kernel next to nothing.
 
 Files of dead processes (pid gone on this host) are stale: ``read_pools`` deletes them.
 This module imports neither torch nor jupyter_server: the kernel imports it with the pool and
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.dashboard.history import RunHistory, collective_bytes
+from workbench.dashboard.offload import offload_layout, offload_traces
 from workbench.dashboard.timeline import stage_axes, stage_title, stage_traces
 
 log = logging.getLogger("workbench.lab.state")
@@ -87,6 +90,7 @@ def _cell_block(history: RunHistory, running: bool) -> dict[str, Any]:
     """The cell's telemetry as the dashboard page draws it: series plus latest per rank."""
     points = history.points[-SERIES_POINTS:]
     latest = {}
+    offloads = history.offloads()
     for rank, snap in history.latest.items():
         latest[str(rank)] = {
             "steps": snap.get("steps", 0),
@@ -95,6 +99,8 @@ def _cell_block(history: RunHistory, running: bool) -> dict[str, Any]:
             "memory": _tiers(snap.get("memory", {})),
             "comm_bytes": collective_bytes(snap),
             "p2p_bytes": {a: c.get("sent", 0) for a, c in snap.get("p2p_by_axis", {}).items()},
+            # model-state bytes per tier of an offloading rank, else None
+            "offload_tiers": dict(offloads[rank]["tiers"]) if rank in offloads else None,
         }
     return {
         "label": history.label, "ranks": history.ranks, "running": running,
@@ -110,6 +116,7 @@ def _cell_block(history: RunHistory, running: bool) -> dict[str, Any]:
                                  for p in points] for axis in history.axes("p2p_by_axis")},
         },
         "stages": _stages_block(history),
+        "offload": _offload_block(history),
     }
 
 
@@ -123,6 +130,17 @@ def _stages_block(history: RunHistory) -> dict[str, Any] | None:
     traces = [{"type": "bar", "name": name, **props}
               for name, props in stage_traces(timelines).items()]
     return {"title": stage_title(timelines), "xaxis": xaxis, "yaxis": yaxis, "traces": traces}
+
+
+def _offload_block(history: RunHistory) -> dict[str, Any] | None:
+    """The offload panel as ready plotly traces and layout (the notebook's, from
+    ``offload.py``), its series bounded like the others; None while nothing offloaded."""
+    traces = offload_traces(history, last=SERIES_POINTS)
+    if not traces:
+        return None
+    layout = offload_layout(history)
+    return {"title": layout["title"]["text"], "layout": layout,
+            "traces": [{"name": name, **props} for name, props in traces.items()]}
 
 
 class PoolStateFile:

@@ -1,9 +1,11 @@
-// The live dashboard page: poll the pool's JSON and redraw four plotly charts, five when the
-// cell runs a pipeline. Memory per tier and the step-time split are per rank (latest values);
-// tokens/s per rank and bytes per mesh axis (collectives, and point-to-point bytes sent,
-// dotted) are time series of the running (or last) %%colossal cell. The pipeline stage
-// timeline comes as ready traces (workbench/dashboard/timeline.py builds them for the
-// notebook's figure too), so this page only lays it out.
+// The live dashboard page: poll the pool's JSON and redraw four plotly charts, one more when
+// the cell runs a pipeline and one more when its model offloads. Memory per tier and the
+// step-time split are per rank (latest values); tokens/s per rank and bytes per mesh axis
+// (collectives, and point-to-point bytes sent, dotted) are time series of the running (or
+// last) %%colossal cell. The pipeline stage timeline and the offload panel (model state per
+// tier, bytes moved between tiers per step) come as ready traces (workbench/dashboard/
+// timeline.py and offload.py build them for the notebook's figures too), so this page only
+// lays them out.
 (function () {
   'use strict';
   const cfg = window.COLOSSAL;
@@ -67,6 +69,7 @@
     Plotly.react('comm', comm, layout('bytes communicated per axis', 'bytes',
       { xaxis: { title: { text: 'seconds into the cell' } } }), plotConfig);
     renderStages(cell ? cell.stages : null);
+    renderOffload(cell ? cell.offload : null);
 
     let text = doc.world_size + ' ranks, ' + stateLabel(doc);
     if (doc.error) { text += ' (' + doc.error + ')'; }
@@ -89,6 +92,19 @@
       barmode: 'overlay', xaxis: stages.xaxis, yaxis: stages.yaxis,
       margin: { l: 110, r: 20, t: 40, b: 70 }, legend: { orientation: 'h', y: -0.25 }
     }), plotConfig);
+  }
+
+  // Model state per tier per rank (bars, left) and moved bytes and evictions per step (right):
+  // the layout carries both plots' axes; hidden when no model offloaded in the cell.
+  function renderOffload(offload) {
+    const el = document.getElementById('offload');
+    el.hidden = !offload;
+    if (!offload) { return; }
+    Plotly.react('offload', offload.traces, Object.assign(layout(offload.title, ''),
+      offload.layout, {
+        margin: { l: 60, r: 60, t: 40, b: 70 },
+        legend: { orientation: 'h', y: -0.2, traceorder: 'normal' }
+      }), plotConfig);
   }
 
   async function tick() {
