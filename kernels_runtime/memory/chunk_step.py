@@ -32,6 +32,7 @@ class ChunkStep(GradSync):
     def _init_step(self) -> None:
         self._scale: torch.Tensor | float | None = None
         self.last_step: dict = {}
+        self.host_left: list[float] | None = None
         self._pinned: list[Payload] = []
         self.optimizer_seconds = 0.0  # in the inner optimizer's arithmetic, cumulative
 
@@ -135,10 +136,22 @@ class ChunkStep(GradSync):
             if isinstance(value, torch.Tensor) and value.dim() and value.numel() == master.numel:
                 payload = self.store.adopt(f"c{i}.{name}", value, master.tier)
                 self.placer.register(payload)
-                self.placer.home[payload.key] = self.placer.home[master.key]
+                self.placer.home[payload.key] = self._state_home(master, payload.nbytes)
                 self.states[i][name] = payload
         if self.placer.mode == "auto":
             self.placer.enforce()  # the new states may not fit where their master is
+
+    def _state_home(self, master: Payload, nbytes: int) -> Tier:
+        """A state lives with its master, but under static placement a host state takes what
+        is left of ``host_mem`` like the payloads placed before it, else goes to disk."""
+        home = self.placer.home[master.key]
+        left = self.host_left
+        if home != Tier.HOST or left is None:
+            return home
+        if left[0] >= nbytes:
+            left[0] -= nbytes
+            return Tier.HOST
+        return Tier.DISK
 
     def _publish(self, i: int) -> None:
         """Updated master -> the parameters: the whole chunk all-gathered from every rank's

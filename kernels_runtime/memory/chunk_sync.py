@@ -158,6 +158,7 @@ class ChunkGradSync(ChunkStep):
         if not aliased:
             homes += static_homes([m.nbytes for m in self.master],
                                   fractions.get("optim", 0.0), host_left)
+        self.host_left = host_left  # what the optimizer's states may still take (first step)
         payloads = self.param if aliased else [*self.param, *self.master]
         for payload, home in zip(payloads, homes):
             self.placer.home[payload.key] = home
