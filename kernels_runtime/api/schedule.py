@@ -42,7 +42,7 @@ class SequentialSchedule:
         for i, batch in enumerate(microbatches):
             batch = to_device(batch, optimizer.ctx.device)
             sync = contextlib.nullcontext() if i == n - 1 else optimizer.no_sync()
-            with sync, telemetry.compute():
+            with sync, telemetry.compute(), optimizer.sync.micro_batch():
                 loss = objective(model, batch)
                 optimizer.backward(loss / n)
             total += loss.detach().float()  # stays on the device: no host sync per micro-batch

@@ -11,7 +11,9 @@ training step is made of, on every rank at once (ranks share the machine as in t
 - elementwise bandwidth and the AdamW update rate (the optimizer step);
 - bandwidth and latency of all-reduce, reduce-scatter and all-gather, fitted to the ring
   formulas, and how much of a collective hides behind concurrent compute (``comm.py``);
-- the runtime's fixed costs per step, micro-batch and layer, per ZeRO stage (``runtime.py``).
+- the runtime's fixed costs per step, micro-batch and layer, per ZeRO stage (``runtime.py``);
+- the offload tiers: host<->device copies, the spill disk (page cache bypassed), host memory
+  bandwidth (``transfer.py``).
 
 The result is one plain dict per rank; the notebook side (``workbench.planner``, which has no
 torch) merges the ranks' records into a ``HardwareProfile``. ``calibrate_ranks`` runs
@@ -45,6 +47,8 @@ def measure(
     window_s: float = 0.05,
     reps: int = 5,
     overheads: bool = True,
+    transfer: bool = True,
+    spill_dir: str | None = None,
 ) -> dict[str, Any]:
     """Run every micro-benchmark on this rank; collective: every rank of the default group
     calls it. ``block`` = (batch, seq, hidden, heads, ffn) of the transformer block whose
@@ -88,6 +92,12 @@ def measure(
         for op in RING:
             out["collectives"][op] = collective_fit(op, sizes, comm, None, device, reps)
         out["overlap"] = overlap_fraction(comm, None, device, sizes[-1], sync, reps)
+    if transfer:
+        from kernels_runtime.calibrate.transfer import transfer_rates
+
+        comm.barrier()
+        out["transfer"] = transfer_rates(device, sync, pin=accelerator.pin_memory,
+                                         window_s=window_s, spill_dir=spill_dir)
     if overheads:
         out["overhead"] = runtime_overheads((0, 1, 2, 3) if world > 1 else (0,), reps)
     out["seconds"] = time.perf_counter() - started

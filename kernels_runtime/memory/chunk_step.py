@@ -14,6 +14,7 @@ one-element proxies and the factor it applies is carried to the chunk's step (``
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -35,6 +36,13 @@ class ChunkStep(GradSync):
         self.host_left: list[float] | None = None
         self._pinned: list[Payload] = []
         self.optimizer_seconds = 0.0  # in the inner optimizer's arithmetic, cumulative
+
+    def micro_batch(self):  # noqa: ANN201 - a context manager
+        """Measure what the micro-batch keeps for backward: the device reserve under ``auto``
+        (``activation_reserve.py``)."""
+        if self.placer.mode != "auto":
+            return contextlib.nullcontext()
+        return self.activations.micro_batch()
 
     # ---- gradients as the boosted optimizer sees them -------------------------------------
     def master_grads(self) -> list[GradShard]:
@@ -86,13 +94,16 @@ class ChunkStep(GradSync):
             self._step_chunk(inner, i)
         self._scale = None
         self.placer.end_step()
+        self.activations.end_step()
         moved = {f"{a}->{b}": n for (a, b), n in self.store.moved.items()}
         self.ctx.telemetry.record_offload(self.tier_bytes(), moved, self.store.evictions,
                                           self.store.wait_seconds)
         self.last_step = {"moved": dict(self.store.moved), "evictions": self.store.evictions,
                           "wait_seconds": self.store.wait_seconds,
                           "device_peak": int(self.store.peak[Tier.DEVICE]),
-                          "device_state_peak": int(self.store.state_peak[Tier.DEVICE])}
+                          "device_state_peak": int(self.store.state_peak[Tier.DEVICE]),
+                          "activations": self.activations.last_peak,
+                          "device_total_peak": int(self.store.total_peak)}
         self.store.settle()
         self.store.reset_step_counters()
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from kernels_runtime.memory.activation_reserve import ActivationReserve
 from kernels_runtime.memory.chunk_step import ChunkStep
 from kernels_runtime.memory.chunks import ChunkLayout, Unit, build_chunks, find_units
 from kernels_runtime.memory.placement import Placer, Trace, static_homes
@@ -61,6 +62,7 @@ class ChunkGradSync(ChunkStep):
             key=lambda name: self.layouts[name].signature)
         self.store = store
         self.placer = Placer(store, predicted=self._predicted_trace(), **placer_args)
+        self.activations = ActivationReserve(self.placer, ctx.device)
         self.param: list[Payload] = []
         self.master: list[Payload] = []
         self.grad: list[Payload | None] = [None] * len(self.chunks)
@@ -275,9 +277,12 @@ class ChunkGradSync(ChunkStep):
         c = self.chunks[i]
         buf = self._grad_buf.pop(i, None)
         if buf is None:
+            self.placer.make_room(Tier.DEVICE, c.padded * 4)
             buf = torch.zeros(c.padded, dtype=torch.float32, device=self.ctx.device)
             self.store.charge_working(buf.numel() * 4)
         if self.dp > 1:
+            self.placer.make_room(Tier.DEVICE, c.shard_size * 4)
+            self.store.charge_working(c.shard_size * 4)  # released once accumulated
             shard = torch.empty(c.shard_size, dtype=torch.float32, device=buf.device)
             op = self.ctx.comm.reduce_scatter_async(shard, buf, group=self.ctx.dp_group)
         else:
@@ -296,6 +301,8 @@ class ChunkGradSync(ChunkStep):
             shard.mul_(1.0 / self.dp)
             self._accumulate(i, shard)
             self.store.release_working(buf.numel() * 4)
+            if self.dp > 1:
+                self.store.release_working(shard.numel() * 4)
 
     def _accumulate(self, i: int, shard: torch.Tensor) -> None:
         grad = self.grad[i]
@@ -304,10 +311,7 @@ class ChunkGradSync(ChunkStep):
             grad = self.grad[i] = self.store.allocate(f"c{i}.grad", shard.numel(),
                                                       torch.float32, Tier.DEVICE)
             self.placer.register(grad)
-            home = Tier.DEVICE
-            if self.placer.mode == "static" and getattr(self, "grad_home", 0.0):
-                home = self._grad_home_tier(i)
-            self.placer.home[grad.key] = home
+            self.placer.home[grad.key] = self.grad_homes[i] if self.grad_homes else Tier.DEVICE
         else:
             self.placer.bring(grad, Tier.DEVICE)
         self.placer.touch(grad.key)

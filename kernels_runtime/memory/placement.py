@@ -72,13 +72,28 @@ class Placer:
                  host_budget: int | None, predicted: Trace) -> None:
         self.store, self.mode = store, mode
         self.budget = {Tier.DEVICE: device_budget, Tier.HOST: host_budget, Tier.DISK: None}
-        self.reserve = 0  # device bytes that are not model state (measured by the first step)
+        self._reserve = 0  # device bytes that are not model state (activation_reserve.py)
         self.floor = {t: 0 for t in Tier}  # the least one step needs at once on each tier
         self.home: dict[str, Tier] = {}
         self.resident: dict[Tier, dict[str, Payload]] = {t: {} for t in Tier}
         self.trace = predicted
         self._recording: list[str] = []
         self.in_use: set[str] = set()
+
+    @property
+    def reserve(self) -> int:
+        return self._reserve
+
+    @reserve.setter
+    def reserve(self, nbytes: int) -> None:
+        self._reserve = nbytes
+        self.store.set_activations(nbytes)
+
+    def plan_reserve(self, nbytes: int) -> None:
+        """Reserve ``nbytes`` for activations to come and evict for them now."""
+        self._reserve = nbytes
+        self.store.activations = nbytes
+        self.make_room(Tier.DEVICE, 0)
 
     # ---- bookkeeping ---------------------------------------------------------------------
     def register(self, payload: Payload) -> None:
@@ -144,8 +159,8 @@ class Placer:
             self._move(victim, lower)
         if self.store.used[tier] + nbytes > limit:
             reserve = self.reserve if tier == Tier.DEVICE else 0
-            measured = (f" and {human_bytes(reserve)} of activations and buffers measured in "
-                        "the first step") if reserve else ""
+            measured = (f" and {human_bytes(reserve)} of activations measured in this step"
+                        if reserve else "")
             need = max(self.store.used[tier] + nbytes, self.floor[tier]) + reserve
             raise BudgetError(
                 f"the {tier.label} budget of {human_bytes(self.budget[tier])} per rank cannot "

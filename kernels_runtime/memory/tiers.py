@@ -75,18 +75,26 @@ class TierStore:
         self._reads: dict[str, tuple[Future, torch.Tensor]] = {}
         self._writes: dict[str, tuple[Future, torch.Tensor, Payload]] = {}
         self.write_behind_bytes = WRITE_BEHIND_BYTES
+        self.activations = 0  # device bytes that are not model state (the placement's reserve)
+        self.total_peak = 0  # of device model state, working buffers and activations together
 
     # ---- accounting ----------------------------------------------------------------------
     def _add(self, tier: Tier, nbytes: int, working: bool = False) -> None:
         self.used[tier] += nbytes
         self.working[tier] += nbytes if working else 0
         self.peak[tier] = max(self.peak[tier], self.used[tier])
+        if tier == Tier.DEVICE:
+            self.total_peak = max(self.total_peak, self.used[tier] + self.activations)
         state = self.used[tier] - self.working[tier]
         self.state_peak[tier] = max(self.state_peak[tier], state)
 
     def _sub(self, tier: Tier, nbytes: int, working: bool = False) -> None:
         self.used[tier] -= nbytes
         self.working[tier] -= nbytes if working else 0
+
+    def set_activations(self, nbytes: int) -> None:
+        self.activations = nbytes
+        self.total_peak = max(self.total_peak, self.used[Tier.DEVICE] + nbytes)
 
     def charge_working(self, nbytes: int) -> None:
         """A device working buffer the caller allocated (a gradient buffer)."""
@@ -99,6 +107,7 @@ class TierStore:
         self.moved.clear()
         self.evictions = 0
         self.wait_seconds = 0.0
+        self.total_peak = self.used[Tier.DEVICE] + self.activations
         for tier in Tier:
             self.peak[tier] = self.used[tier]
             self.state_peak[tier] = self.used[tier] - self.working[tier]

@@ -10,6 +10,7 @@ see every strategy through the same pieces.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -35,6 +36,11 @@ class GradSync(ABC):
     @abstractmethod
     def master_groups(self) -> list[list[torch.Tensor]]:
         """The fp32 tensors the inner optimizer updates, per optimizer param group."""
+
+    def micro_batch(self) -> contextlib.AbstractContextManager[None]:
+        """Around one micro-batch's forward and backward: a strategy that places memory
+        measures what the micro-batch keeps on the device (offload's activation reserve)."""
+        return contextlib.nullcontext()
 
     def prepare_backward(self, sync: bool) -> None:  # noqa: B027 - optional hook
         """Called before each backward; ``sync=False`` inside ``no_sync()``."""

@@ -122,6 +122,10 @@ def test_calibration_on_ranks_is_sane(two_ranks):
     _sane(profile)
     assert set(profile.collectives) == {"all_reduce", "reduce_scatter", "all_gather"}
     assert set(profile.overhead) == {0, 1, 2, 3}
+    # offload tiers: host<->device (here a host memcpy) and host memory rates; the disk's
+    # where the spill root is a disk (0, unknown, on tmpfs)
+    assert profile.pcie_bandwidth > 1e8 and profile.host_bandwidth > 1e8
+    assert profile.disk_read >= 0 and profile.disk_write >= 0
     assert all(o.step >= 0 and o.micro >= 0 and o.layer >= 0 for o in profile.overhead.values())
     assert predict("dp=2 zero=2 mb=2", TINY_GPT2, profile).step_time > 0
     # the same benchmarks through calibrate_ranks, which spawns its own (here: one) rank

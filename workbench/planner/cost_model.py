@@ -2,10 +2,11 @@
 
 The prediction is the sum of small terms (``MEMORY_TERMS``, ``TIME_TERMS``), each a function
 of one ``Setting``. 1D tensor parallelism, 2D / 2.5D grids (``grid``, ``grid_comm``),
-sequence parallelism (split_gather, all_to_all, ring) and pipeline parallelism (``pipeline``)
-have their terms; offloading and inference join as new terms here (and leave
-``NOT_MODELED``). Until then a plan that uses them is refused with a clear message rather than
-predicted wrongly.
+sequence parallelism (split_gather, all_to_all, ring), pipeline parallelism (``pipeline``) and
+offloading to host and disk (``offload``: ``OFFLOAD_MEMORY_TERMS`` / ``OFFLOAD_TIME_TERMS``
+replace the model-state, buffer and optimizer terms) have their terms; inference joins as new
+terms here (and in ``NOT_MODELED``, empty now). A plan that uses what has no terms is refused
+with a clear message rather than predicted wrongly.
 
 Under pp ranks differ (``_predict_pipelined``): the terms run once per pipeline rank, the
 memory is the rank with the largest peak, the time the rank that ends the step last, with the
@@ -21,7 +22,9 @@ next product waits for them. (Windows over the same compute do not share it: ZeR
 collectives and a grid's broadcasts could each claim the backward products.) A pipeline's p2p
 sends (window ``pipeline``) are asynchronous and overlap other micro-batches; what they delay
 is on the schedule's critical path, which the replay prices as a bubble item. Under pp the
-data-parallel reduction runs after the schedule, so it has no window.
+data-parallel reduction runs after the schedule, so it has no window. Offload moves (kind
+"offload") are exposed in forward and backward (the runtime fetches on demand); in the step the
+host optimizer and the disk overlap each other (``offload`` module docstring).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kernels_runtime.mesh.plan import Plan, PlanError
-from workbench.planner import grid_comm, memory, parallel_comm, pipeline, timing
+from workbench.planner import grid_comm, memory, offload, parallel_comm, pipeline, timing
 from workbench.planner.grid import check_grid
 from workbench.planner.hardware import HardwareProfile, get_profile
 from workbench.planner.setting import CATEGORIES, TIERS, MemoryItem, Setting, TimeItem
@@ -43,9 +46,12 @@ TIME_TERMS: list[Callable[[Setting], list[TimeItem]]] = [
     timing.compute, timing.elementwise, timing.optimizer, timing.dp_comm,
     parallel_comm.tp_comm, parallel_comm.sp_comm, grid_comm.grid_comm, pipeline.pp_comm,
     timing.overhead]
-NOT_MODELED = {  # plan field -> (value that needs no term, what is missing)
-    "offload": ("none", "host/disk tier placement and PCIe traffic"),
-}
+OFFLOAD_MEMORY_TERMS: list[Callable[[Setting], list[MemoryItem]]] = [
+    offload.model_states, memory.activations]
+OFFLOAD_TIME_TERMS: list[Callable[[Setting], list[TimeItem]]] = [
+    offload.device_optimizer if t is timing.optimizer else t for t in TIME_TERMS] + [
+    offload.offload_time]
+NOT_MODELED: dict[str, tuple[object, str]] = {}  # plan field -> (value needing no term, what)
 WINDOWS = ("forward", "backward", "backward_last", "forward_attention", "backward_attention",
            "forward_products", "backward_products")
 
@@ -79,16 +85,29 @@ class Prediction:
 
     @property
     def model_state_bytes(self) -> float:
+        """On the device tier."""
         m = self.memory_by_category()
         return m["params"] + m["grads"] + m["optimizer"]
 
     @property
+    def all_tiers_model_state_bytes(self) -> float:
+        """Model state on every tier together (what ``memory_breakdown()`` counts)."""
+        return sum(i.bytes for i in self.memory if i.category in ("params", "grads",
+                                                                   "optimizer"))
+
+    @property
     def measurable_bytes(self) -> float:
-        """Model states + activations kept for backward (no transient buffers); under pp the
-        largest over the pipeline ranks."""
+        """Model states (on every tier) + activations kept for backward (no transient
+        buffers); under pp the largest over the pipeline ranks."""
         if self.pipeline is not None:
             return max(self.pipeline.rank_measurable)
-        return self.model_state_bytes + self.memory_by_category()["activations"]
+        return self.all_tiers_model_state_bytes + self.memory_by_category()["activations"]
+
+    def moved_bytes(self) -> dict[tuple[str, str], float]:
+        """Offload: bytes moved per step between tiers, (from, to); empty without offload."""
+        if self.plan.offload == "none":
+            return {}
+        return dict(self.setting.offload_layout.moved)
 
     # ---- time -----------------------------------------------------------------------------
     def seconds(self, kind: str, phase: str | None = None) -> float:
@@ -150,18 +169,23 @@ class Prediction:
     @property
     def step_time(self) -> float:
         return (self.compute_time + self.seconds("optimizer") + self.seconds("overhead")
-                + self.exposed_comm_time + self.bubble_time)
+                + self.exposed_comm_time + self.bubble_time + self.seconds("offload"))
 
     def summary(self) -> str:
         gb = 1e9
         mem = self.memory_by_category()
         parts = ", ".join(f"{k} {v / gb:.3g}" for k, v in mem.items() if v)
         bubble = f", pipeline bubble {self.bubble_time:.3g}" if self.pipeline else ""
+        tiers = self.peak_by_tier()
+        moved = "" if self.plan.offload == "none" else (
+            f", offload moves {self.seconds('offload'):.3g}")
+        off = "" if self.plan.offload == "none" else (
+            f"; host {tiers['host'] / gb:.3g} GB, disk {tiers['disk'] / gb:.3g} GB")
         return (f"{plan_label(self.plan)}: {self.step_time:.4g} s/step (compute "
                 f"{self.compute_time:.3g}, exposed comm {self.exposed_comm_time:.3g} of "
                 f"{self.comm_time:.3g}, optimizer {self.seconds('optimizer'):.3g}, overhead "
-                f"{self.seconds('overhead'):.3g}{bubble}); peak {self.peak_bytes / gb:.3g} GB "
-                f"per rank ({parts})")
+                f"{self.seconds('overhead'):.3g}{bubble}{moved}); peak "
+                f"{self.peak_bytes / gb:.3g} GB per rank ({parts}){off}")
 
 
 def plan_label(plan: Plan) -> str:
@@ -182,7 +206,13 @@ def plan_label(plan: Plan) -> str:
     label += f" zero={plan.zero_stage} {plan.precision}"
     if plan.microbatches > 1:
         label += f" mb={plan.microbatches}"
-    return label + (" ckpt" if plan.activation_checkpointing else "")
+    label += " ckpt" if plan.activation_checkpointing else ""
+    if plan.offload != "none":
+        names = ("offload", "device_mem", "host_mem", "offload_params", "offload_grads",
+                 "offload_optim")
+        label += "".join(f" {item}" for item in plan.to_string().split()
+                         if item.partition("=")[0] in names)
+    return label
 
 
 def _check_modeled(plan: Plan) -> None:
@@ -191,7 +221,7 @@ def _check_modeled(plan: Plan) -> None:
     if missing:
         raise PlanError("the cost model has no terms yet for " + "; ".join(missing)
                         + "; it predicts dp/tp (1d, 2d, 2.5d)/sp/pp/zero/precision/"
-                        "microbatches/checkpointing plans")
+                        "microbatches/checkpointing/offload plans")
 
 
 def _check_shapes(plan: Plan, spec: ModelSpec) -> None:
@@ -238,11 +268,13 @@ def predict(plan: Plan | str, model: Any, hardware: HardwareProfile | str = "H10
 
 
 def _memory(st: Setting) -> list[MemoryItem]:
-    return [item for term in MEMORY_TERMS for item in term(st)]
+    terms = OFFLOAD_MEMORY_TERMS if st.plan.offload != "none" else MEMORY_TERMS
+    return [item for term in terms for item in term(st)]
 
 
 def _time(st: Setting) -> list[TimeItem]:
-    return [item for term in TIME_TERMS for item in term(st)]
+    terms = OFFLOAD_TIME_TERMS if st.plan.offload != "none" else TIME_TERMS
+    return [item for term in terms for item in term(st)]
 
 
 def _predict_pipelined(st: Setting) -> Prediction:

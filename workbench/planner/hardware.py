@@ -26,6 +26,21 @@ ADAM_BYTES_PER_ELEMENT = 32  # fused AdamW: read/write fp32 param, m, v; read gr
 # read again and its gradient written and read in backward, plus unkept intermediates.
 # Assumption for data-sheet profiles; calibration measures the rate instead.
 ACTIVATION_PASSES = 6.0
+# Host-side Adam/AdamW touches 4 fp32 arrays read (master, gradient, two moments) and 3 written
+# (master, two moments) per parameter: memory-bandwidth bound on the host's DRAM.
+HOST_ADAM_BYTES_PER_ELEMENT = 28
+
+# Offload links, per rank (published figures; SHEET_EFFICIENCY["link"] applied for PCIe):
+# - PCIe Gen4 x16 (A100): 16 GT/s x 16 lanes x 128/130 = 31.5 GB/s per direction; Gen5 x16
+#   (H100, H200 SXM): 32 GT/s, 63 GB/s per direction (PCI-SIG base specifications 4.0/5.0).
+# - NVMe: one U.2 PCIe Gen4 data-center drive per GPU, as in DGX A100/H100 (8 x 3.84 TB in
+#   their data sheets); sequential 7.0 GB/s read, 3.8 GB/s write (Samsung PM1733 data sheet).
+# - Host DRAM per rank: DGX A100's 2 x AMD EPYC 7742 (8 channels DDR4-3200, 204.8 GB/s per
+#   socket) and DGX H100/H200's 2 x Xeon 8480C (8 channels DDR5-4800, 307 GB/s per socket),
+#   over 8 GPUs, times SHEET_EFFICIENCY["memory"].
+PCIE_GBPS = {"A100": 31.5, "H100": 63.0, "H200": 63.0}
+NVME_READ_GBPS, NVME_WRITE_GBPS = 7.0, 3.8
+HOST_DRAM_GBPS = {"A100": 2 * 204.8 / 8, "H100": 2 * 307.2 / 8, "H200": 2 * 307.2 / 8}
 
 
 @dataclass(frozen=True)
@@ -88,7 +103,19 @@ class HardwareProfile:
     collectives: dict[str, Link] = field(default_factory=dict)  # measured per op, if any
     overlap: float = 1.0  # fraction of compute time that can hide a concurrent collective
     overhead: dict[int, Overhead] = field(default_factory=dict)  # per ZeRO stage
+    # offload tiers (bytes/s per rank; 0: unknown, and a plan that needs the rate is refused):
+    # host<->device copies per direction, disk sequential read and write with the page cache
+    # bypassed, host memory bandwidth (host-side Adam)
+    pcie_bandwidth: float = 0.0
+    disk_read: float = 0.0
+    disk_write: float = 0.0
+    host_bandwidth: float = 0.0
     source: str = ""
+
+    @property
+    def host_adam_rate(self) -> float:
+        """Optimizer-updated elements per second of Adam on host-resident fp32 state."""
+        return self.host_bandwidth / HOST_ADAM_BYTES_PER_ELEMENT
 
     def supports(self, precision: str) -> bool:
         return precision in self.matmul_flops
@@ -128,6 +155,7 @@ def from_datasheet(sheet: DataSheet, devices_per_node: int = 8,
     fp32 = sheet.fp32_tflops * 1e12 * eff["matmul"]
     att = eff["attention"] / eff["matmul"]
     hbm = sheet.hbm_tbps * 1e12 * eff["memory"]
+    key = sheet.gpu.split()[0]
     return HardwareProfile(
         name=f"{sheet.gpu} ({devices_per_node} per node)",
         device_memory=sheet.memory_gb * GB,
@@ -143,6 +171,10 @@ def from_datasheet(sheet: DataSheet, devices_per_node: int = 8,
         inter_node=Link(sheet.internode_gbps * GB * eff["link"], 8e-6),
         overlap=0.9,
         overhead={0: _GPU_OVERHEAD, 3: Overhead(step=5e-3, micro=1e-3, layer=3e-4)},
+        pcie_bandwidth=PCIE_GBPS[key] * GB * eff["link"],
+        disk_read=NVME_READ_GBPS * GB,
+        disk_write=NVME_WRITE_GBPS * GB,
+        host_bandwidth=HOST_DRAM_GBPS[key] * GB * eff["memory"],
         source=f"vendor data sheet x efficiencies {eff}",
     )
 
@@ -219,5 +251,16 @@ def from_measurements(measured: dict[str, Any] | list[dict[str, Any]]) -> Hardwa
         overlap=float(m.get("overlap", 0.0)),
         overhead={int(k): Overhead(v["step"], v["micro"], v["layer"])
                   for k, v in m.get("overhead", {}).items()},
+        **_transfer_rates(m.get("transfer") or {}),
         source=f"measured in {m.get('seconds', 0):.1f} s on block (b, s, h, a, ffn) = {m['block']}",
     )
+
+
+def _transfer_rates(t: dict[str, Any]) -> dict[str, float]:
+    """Offload rates of a calibration record (``kernels_runtime.calibrate.transfer``): host<->
+    device copies (on a CPU-only machine a host memcpy), the spill directory's disk with the
+    page cache bypassed, host memory bandwidth; absent ones stay 0 (unknown)."""
+    return {"pcie_bandwidth": float(t.get("pcie") or 0.0),
+            "disk_read": float(t.get("disk_read") or 0.0),
+            "disk_write": float(t.get("disk_write") or 0.0),
+            "host_bandwidth": float(t.get("host_bandwidth") or 0.0)}

@@ -11,7 +11,9 @@ pp over the divisors, with 1D tp (what the runtime's stages support), every sche
 micro-batches, ZeRO 0 or 1. Every
 candidate goes through ``Plan.validate`` (with the model's head counts) and the cost model;
 invalid ones are kept with the reason, those over the memory budget to explain what the budget
-excluded, and if none fits the error says what the smallest plan needs.
+excluded. Only when no plan fits without offload, offload plans (``offload_search``: static with
+the smallest fractions that fit, auto with ``device_mem`` at the budget) are tried and the text
+says why; if none fits either, the error says what the smallest plan needs.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from workbench.planner.activations import profile_for
 from workbench.planner.cost_model import Prediction, plan_label, predict
 from workbench.planner.grid import grid_shapes
 from workbench.planner.hardware import HardwareProfile, get_profile
+from workbench.planner.offload_search import offload_plans
 from workbench.planner.spec import ModelSpec
 
 GB = 1e9
@@ -164,6 +167,14 @@ class Recommendation:
                  f"compute-bound: {p.compute_time / p.step_time:.0%} of the step is compute, "
                  f"{p.comm_time:.3g} s of communication of which {p.exposed_comm_time:.3g} s "
                  "is not hidden behind backward")
+        if p.plan.offload != "none":
+            links = p.setting.offload_layout.link_bytes()
+            tiers = p.peak_by_tier()
+            bound += (f"; offload: host {tiers['host'] / GB:.3g} GB, disk "
+                      f"{tiers['disk'] / GB:.3g} GB per rank, {links['pcie'] / GB:.3g} GB over "
+                      f"PCIe and {(links['disk_read'] + links['disk_write']) / GB:.3g} GB of "
+                      f"disk I/O per step cost {p.seconds('offload'):.3g} s "
+                      f"({p.seconds('offload') / p.step_time:.0%} of the step)")
         if p.pipeline is not None:
             s = p.pipeline
             bound += (f"; pipeline bubble {p.bubble_time / p.step_time:.0%} of the step "
@@ -243,6 +254,7 @@ def recommend(
     top: int = 3,
     dp: int | None = None,
     pp: int | None = None,
+    offload: bool = True,
     **workload: Any,
 ) -> Recommendation:
     """Rank the plans the cost model predicts (dp x tp x sp with ZeRO, 1D tp or a 2D / 2.5D
@@ -258,6 +270,7 @@ def recommend(
     parallelism over replicated weight blocks, so with dp free it competes with dp x 2D: the
     same blocks, gradients summed per micro-batch in the compute dtype instead of once per
     step in fp32.) ``pp`` fixes the pipeline stages the same way (``pp=1``: no pipeline).
+    When nothing fits, offload plans are tried (``offload=False``: not).
     Raises ``NoPlanFitsError`` naming the smallest need when nothing fits.
     """
     spec = per_step_workload(ModelSpec.from_config(model_config, **workload), world_size)
@@ -286,11 +299,30 @@ def recommend(
         raise NoPlanFitsError(f"no plan is valid on {world_size} ranks: {reasons}")
     valid.sort(key=lambda p: (p.step_time, p.peak_bytes))
     fits = [p for p in valid if p.peak_bytes <= budget]
-    if not fits:
-        smallest = min(valid, key=lambda p: p.peak_bytes)
-        raise NoPlanFitsError(
-            f"no plan fits {budget / GB:.3g} GB per rank on {world_size} ranks: the smallest "
-            f"need is {smallest.peak_bytes / GB:.3g} GB per rank, by {_line(smallest, budget)}. "
-            "Raise the budget, add ranks, or shorten the sequence or the batch.", smallest)
     over = [p for p in valid if p.peak_bytes > budget]
+    if not fits:  # only then offload: a plan that fits without it is faster
+        smallest = min(valid, key=lambda p: p.peak_bytes)
+        if not offload:
+            raise NoPlanFitsError(
+                f"no plan fits {budget / GB:.3g} GB per rank on {world_size} ranks: the "
+                f"smallest need is {smallest.peak_bytes / GB:.3g} GB per rank, by "
+                f"{_line(smallest, budget)}. Raise the budget, add ranks, shorten the sequence "
+                "or the batch, or allow offload.", smallest)
+        tried, refused = offload_plans(valid, spec, hw, world_size, budget)
+        invalid += refused
+        fits = sorted((p for p in tried if p.peak_bytes <= budget),
+                      key=lambda p: (p.step_time, p.peak_bytes))
+        if not fits:
+            raise NoPlanFitsError(
+                f"no plan fits {budget / GB:.3g} GB per rank on {world_size} ranks, with or "
+                f"without offload: the smallest need without offload is "
+                f"{smallest.peak_bytes / GB:.3g} GB per rank, by {_line(smallest, budget)}. "
+                "Raise the budget, add ranks, or shorten the sequence or the batch.", smallest)
+        notes.append(
+            f"no plan fits {budget / GB:.3g} GB per rank without offload (the smallest need is "
+            f"{smallest.peak_bytes / GB:.3g} GB, by {plan_label(smallest.plan)}), so model "
+            "state goes off the device: offload=static with the smallest fractions of "
+            "parameters, gradients and optimizer states that fit, or offload=auto with "
+            "device_mem = the budget less activations; they pay for PCIe moves, host Adam and "
+            "disk I/O in step time")
     return Recommendation(fits, over, invalid, budget, hw, spec, world_size, top, notes)

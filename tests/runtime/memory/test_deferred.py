@@ -18,7 +18,7 @@ import torch
 
 from helpers import models as dm
 from helpers.distributed import context
-from helpers.model_state import model_state_bytes, state_parameters
+from helpers.model_state import activation_bytes, model_state_bytes, state_parameters
 
 STEPS = 10
 TOL = 1e-6
@@ -44,6 +44,9 @@ def _train(model, plan: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def _compare(rank: int, world: int, base: str, offload: str) -> dict:
+    offload = offload.replace("+activations", f"+{activation_bytes(rank, world, 1)}")
+    half, act = offload.split("device_mem=")[1].split()[0].split("+")
+    offload = offload.replace(f"{half}+{act}", str(int(half) + int(act)))
     deferred = _deferred_model()
     assert all(p.is_meta for p in deferred.parameters())
     torch.manual_seed(rank)  # ranks draw different values: the first rank's must win
@@ -63,7 +66,7 @@ def _compare(rank: int, world: int, base: str, offload: str) -> dict:
 
 def _budgets(zero: int) -> str:
     state = model_state_bytes(2, zero)
-    return f"offload=auto device_mem={state // 2} host_mem={state // 4}"
+    return f"offload=auto device_mem={state // 2}+activations host_mem={state // 4}"
 
 
 @pytest.mark.parametrize("zero", [2, 3])

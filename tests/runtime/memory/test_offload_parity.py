@@ -14,7 +14,7 @@ import torch
 
 from helpers import models as dm
 from helpers.distributed import context
-from helpers.model_state import model_state_bytes, state_parameters
+from helpers.model_state import activation_bytes, model_state_bytes, state_parameters
 
 STEPS = 20
 TOL = 1e-6
@@ -35,7 +35,9 @@ def _run(plan: str, world: int, accum: int = 1,
         losses.append(train_step(model, opt, mbs, loss_fn=dm.hf_loss).loss)
         last = getattr(opt.sync, "last_step", {})
         evictions.append(last.get("evictions", 0))
-        peaks.append((last.get("device_state_peak", 0), last.get("device_peak", 0)))
+        peaks.append((last.get("device_state_peak", 0), last.get("device_peak", 0),
+                      last.get("activations", 0),
+                      last.get("device_total_peak", 0) if step else 0))  # after warm-up
     tiers = opt.sync.tier_bytes() if hasattr(opt.sync, "tier_bytes") else {}
     if tiers:  # what the dashboard is sent: the same evictions, the disk tier as spilled bytes
         snap = ctx.telemetry.snapshot()
@@ -46,6 +48,12 @@ def _run(plan: str, world: int, accum: int = 1,
 
 
 def _compare(rank: int, world: int, base: str, offload: str, extra: dict) -> dict:
+    activations = activation_bytes(rank, world, extra.get("accum", 1),
+                                   base if "tp=" in base or "bf16" in base else None)
+    offload = offload.replace("+activations", f"+{activations}")
+    if "device_mem=" in offload:  # half the model state, plus what the step measures
+        half, act = offload.split("device_mem=")[1].split()[0].split("+")
+        offload = offload.replace(f"device_mem={half}+{act}", f"device_mem={int(half) + int(act)}")
     ref_losses, ref_params, *_ = _run(base, world, **extra)
     losses, params, evictions, tiers, peak = _run(f"{base} {offload}", world, **extra)
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
@@ -55,11 +63,14 @@ def _compare(rank: int, world: int, base: str, offload: str, extra: dict) -> dic
     whole = torch.cat([p.reshape(-1) for p in ref_params.values()])
     param_rel["(whole model)"] = (diff.norm() / whole.norm()).item()
     return {"loss_rel": loss_rel, "param_rel": param_rel, "evictions": evictions,
-            "tiers": tiers, "device_peak": peak, "learned": losses[-1] < 0.9 * losses[0]}
+            "tiers": tiers, "device_peak": peak, "learned": losses[-1] < 0.9 * losses[0],
+            "activations": activations}
 
 
 def _budget(world: int, zero: int) -> str:
-    return f"device_mem={model_state_bytes(world, zero) // 2}"
+    """Half the model state for model state, plus the activations of a micro-batch (measured
+    in the rank: automatic placement reserves what the step keeps for backward)."""
+    return f"device_mem={model_state_bytes(world, zero) // 2}+activations"
 
 
 def _host(world: int, zero: int) -> str:
@@ -107,7 +118,7 @@ def test_offloaded_training_matches_training_without_offload(ranks, case):
     out = ranks(2).run(_compare, base, offload, extra, timeout_s=300)
     for rank, result in enumerate(out):
         print(f"{case} rank {rank}: evictions per step {result['evictions']}, device peak "
-              f"(state, with buffers) {result['device_peak']} B, tiers at the end "
+              f"(state, +buffers, activations, all) {result['device_peak']} B, tiers "
               f"{result['tiers']}, loss rel {result['loss_rel']:.1e}")
         tol = TOL if case in CASES else (2e-2 if "bf16" in base else 1e-5)
         checked = result["param_rel"] if case in CASES else \
@@ -118,11 +129,18 @@ def test_offloaded_training_matches_training_without_offload(ranks, case):
         assert all(e > 0 for e in result["evictions"]), \
             f"{case} rank {rank}: a step without evictions: {result['evictions']}"
         half = model_state_bytes(2, 3 if "zero=3" in base + offload else 2) // 2
-        state_peak, device_peak = result["device_peak"]
-        assert state_peak <= half, \
-            f"{case}: model state on the device peaked at {state_peak} B > half, {half} B"
-        if "device_mem" in offload:  # the budget covers working buffers too
-            assert device_peak <= half, f"{case}: device peak {device_peak} B > budget {half} B"
+        state_peak, device_peak, reserved, total_peak = result["device_peak"]
+        if "device_mem" not in offload:  # static shares: at most half stays on the device
+            assert state_peak <= half, \
+                f"{case}: model state on the device peaked at {state_peak} B > half, {half} B"
+        else:  # half for model state and buffers once the measured activations are reserved;
+            # from the second step on (the first evicts as each saved tensor appears)
+            budget = half + result["activations"]
+            assert reserved == result["activations"], \
+                f"{case}: reserved {reserved} B for activations, a plain forward keeps " \
+                f"{result['activations']} B"
+            assert total_peak <= budget, \
+                f"{case}: device peak with activations {total_peak} B > budget {budget} B"
         assert result["learned"], f"{case}: did not learn"
     if "disk" in case:
         assert all(r["tiers"]["disk"] > 0 for r in out), f"{case}: nothing on disk"
