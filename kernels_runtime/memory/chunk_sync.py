@@ -52,6 +52,7 @@ class ChunkGradSync(ChunkStep):
     ) -> None:
         groups = sharded_strategy(self, model, optimizer, ctx, layouts, zero_stage, precision,
                                   replaced)
+        self.training = optimizer is not None  # without: weights only, for inference
         self._groups = len(groups)
         move_real(model, ctx.device)  # deferred parameters are materialized unit by unit
         self._model = model
@@ -87,10 +88,12 @@ class ChunkGradSync(ChunkStep):
         self._gathered: set[int] = set()
         self._init_step()
         self._install_hooks()
+        per_param = self.dtype.itemsize + (4 if self.training else 0)
         self.placer.floor[Tier.DEVICE] = max(
-            sum(self.chunks[i].padded * (self.dtype.itemsize + 4) for i in u.chunks)
+            sum(self.chunks[i].padded * per_param for i in u.chunks)
             for u in self.units) if self.units else 0  # a unit's parameters and gradients
-        self.placer.floor[Tier.HOST] = max((c.shard_size * 4 * 4 for c in self.chunks),
+        per_shard = 4 * 4 if self.training else self.dtype.itemsize  # grad, master, 2 states
+        self.placer.floor[Tier.HOST] = max((c.shard_size * per_shard for c in self.chunks),
                                            default=0)
         self.placer.check_budgets()
 
@@ -111,8 +114,8 @@ class ChunkGradSync(ChunkStep):
         values = shard if self.stage == 3 else flat
         param = self.store.allocate(f"c{c.index}.param", values.numel(), self.dtype, Tier.DEVICE)
         param.handle.copy_(values)
-        if self.stage == 3 and self.dtype == torch.float32:
-            master = param
+        if (self.stage == 3 and self.dtype == torch.float32) or not self.training:
+            master = param  # no optimizer: the weights are all there is
         else:
             master = self.store.allocate(f"c{c.index}.master", shard.numel(), torch.float32,
                                          Tier.DEVICE)

@@ -1,5 +1,6 @@
 """The offload applier (last in ``parallelize``'s order): model-state chunks placed on device,
-host or disk under ``offload=static|auto``.
+host or disk under ``offload=static|auto``; without an optimizer (``parallelize_model``), the
+weights alone, gathered to the device unit by unit as the forward needs them.
 
 It builds the ``ChunkGradSync`` (``chunk_sync.py``) over what the earlier appliers left (tensor-
 parallel shards keep their layouts; sp ranks are data replicas), the tiers it moves payloads
@@ -28,14 +29,10 @@ from kernels_runtime.parallel.state import ParallelState
 
 
 def check(state: ParallelState, model: nn.Module) -> str | None:
-    """Offload lays out training state; a model without an optimizer (evaluation, inference)
-    keeps its weights on the device for now. A plan that may spill needs a usable spill
-    directory: made here, so a bad one refuses the plan before anything changed."""
+    """A plan that may spill needs a usable spill directory: made here, so a bad one refuses
+    the plan before anything changed. Without an optimizer (``parallelize_model``: evaluation,
+    inference) the chunks hold the weights alone."""
     plan = state.ctx.plan
-    if plan.offload != "none" and state.optimizer is None:
-        return (f"offload={plan.offload} places training state (parameters, gradients, "
-                "optimizer states); parallelize_model without an optimizer keeps weights on "
-                "the device: remove offload from the plan")
     if plan.offload != "none" and _may_spill(plan):
         try:
             _rank_folder(state.spill_dir, state.ctx.rank)
@@ -46,7 +43,7 @@ def check(state: ParallelState, model: nn.Module) -> str | None:
 
 def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     plan = state.ctx.plan
-    if plan.offload == "none" or state.optimizer is None:
+    if plan.offload == "none":
         return model
     ctx = state.ctx.fold_sp()
     return_freed_memory()  # chunk-sized buffers come and go all step (host_malloc.py)

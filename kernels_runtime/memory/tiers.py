@@ -200,11 +200,13 @@ class TierStore:
         written = self._writes.pop(payload.key, None)
         if written is not None:  # write-behind not collected yet: its memory still holds it
             self._collect(written)
+            self.disk.delete(payload.key)
             return written[1]
         self.prefetch(payload)
         future, buffer = self._reads.pop(payload.key)
         self._wait(future)
         self._sub(Tier.HOST, payload.nbytes)  # re-charged by the move to its new tier
+        self.disk.delete(payload.key)  # the spill folder holds exactly the disk tier
         return buffer
 
     def _wait(self, future: Future) -> None:

@@ -362,21 +362,12 @@ def test_stage_timeline_and_offload_panel_while_their_cells_run(tmp_path):
                         full_page=True)
         dash.locator("#comm .legendtext", has_text="pp p2p (sent)").wait_for(timeout=10 * MS)
 
-        cell = page.locator(".jp-CodeCell", has_text="pp=2 mb=4")
-        stages = cell.locator(".js-plotly-plot", has=page.locator(
-            ".gtitle", has_text="pipeline stages"))
-        stages.locator(".barlayer .point").first.wait_for(state="attached", timeout=60 * MS)
-        stages.scroll_into_view_if_needed()
-        page.screenshot(path=str(ARTIFACTS / "8-stage-timeline-notebook.png"))
+        _wait_for_plot(page, "pp=2 mb=4", "pipeline stages", "8-stage-timeline-notebook.png")
 
         dash.wait_for_function(SHOWN_WHILE_RUNNING, arg="offload", timeout=180 * MS)
         dash.screenshot(path=str(ARTIFACTS / "9-offload-dashboard-page.png"), full_page=True)
-        cell = page.locator(".jp-CodeCell", has_text="offload=static")
-        panel = cell.locator(".js-plotly-plot", has=page.locator(
-            ".gtitle", has_text="model state per tier"))
-        panel.locator(".barlayer .point").first.wait_for(state="attached", timeout=60 * MS)
-        panel.scroll_into_view_if_needed()
-        page.screenshot(path=str(ARTIFACTS / "10-offload-notebook.png"))
+        _wait_for_plot(page, "offload=static", "model state per tier",
+                       "10-offload-notebook.png")
 
         last_prompt = page.locator(".jp-CodeCell .jp-InputPrompt").last
         page.wait_for_function("el => /\\[\\d+\\]/.test(el.textContent)",
@@ -402,3 +393,12 @@ def test_stage_timeline_and_offload_panel_while_their_cells_run(tmp_path):
         assert on_page, "no offload panel with both ranks on disk on the dashboard page"
         print(f"while the offloading cell ran: {len(notebook)} samples with both ranks' disk "
               f"tier in the notebook, {len(on_page)} on the dashboard page")
+
+
+def _wait_for_plot(page, cell_text: str, title: str, screenshot: str) -> None:
+    """The plot titled ``title`` under the cell holding ``cell_text`` has drawn bars."""
+    cell = page.locator(".jp-CodeCell", has_text=cell_text)
+    plot = cell.locator(".js-plotly-plot", has=page.locator(".gtitle", has_text=title))
+    plot.locator(".barlayer .point").first.wait_for(state="attached", timeout=60 * MS)
+    plot.scroll_into_view_if_needed()
+    page.screenshot(path=str(ARTIFACTS / screenshot))

@@ -274,22 +274,29 @@ def test_figure_changes_while_the_cell_runs(shell) -> None:
     assert len(throughput) >= 2 and throughput[-1] > 0
 
 
-@pytest.mark.engines
-def test_stage_timeline_appears_while_a_pipeline_cell_runs(shell, tmp_path) -> None:
-    shell.run_cell_magic("colossal", '--plan "pp=2 mb=4" --no-dashboard', PIPELINE_SETUP)
+def _run_shown(shell, code: str) -> tuple[LiveDashboard, list[int]]:
+    """Run ``code`` on both ranks into a shown live dashboard; the number of figures in the
+    shown box at every update while it ran (a panel that joins appears as a new child)."""
     live = LiveDashboard([0, 1], mode="on", display=lambda view: None)
-    shown: list[int] = []  # figures in the shown box, while the cell ran
+    shown: list[int] = []
 
     def sink(data: dict, final: bool) -> None:
         live(data, final)
         if not final:
             shown.append(len(live.view.widget.children))
 
-    live.start()  # shown before any pipeline step: the main figure alone
+    live.start()  # shown before any step: the main figure alone
     assert live.view.widget.children == (live.view.figure,)
-    code = "for step in range(12):\n    pipeline_step(step)\n    time.sleep(0.2)"
     run_cell(active_pool(shell), code, stream=lambda *a: None, display=lambda *a: None,
              data_sink=sink)
+    return live, shown
+
+
+@pytest.mark.engines
+def test_stage_timeline_appears_while_a_pipeline_cell_runs(shell, tmp_path) -> None:
+    shell.run_cell_magic("colossal", '--plan "pp=2 mb=4" --no-dashboard', PIPELINE_SETUP)
+    live, shown = _run_shown(shell, "for step in range(12):\n    pipeline_step(step)\n"
+                                    "    time.sleep(0.2)")
     assert 2 in shown, f"the stage timeline never joined the shown dashboard: {shown}"
     assert live.view.widget.children == (live.view.figure, live.view.stage_figure)
 
@@ -336,18 +343,8 @@ OFFLOAD_PLAN = ("dp=2 zero=2 offload=static offload_params=1 offload_grads=1 off
 @pytest.mark.engines
 def test_offload_panel_joins_while_an_offloading_cell_runs(shell, tmp_path) -> None:
     shell.run_cell_magic("colossal", f'--plan "{OFFLOAD_PLAN}" --no-dashboard', SETUP)
-    live = LiveDashboard([0, 1], mode="on", display=lambda view: None)
-    shown: list[int] = []  # figures in the shown box, while the cell ran
-
-    def sink(data: dict, final: bool) -> None:
-        live(data, final)
-        if not final:
-            shown.append(len(live.view.widget.children))
-
-    live.start()
-    code = "for step in range(12):\n    train_step(model, opt, batch(step))\n    time.sleep(0.2)"
-    run_cell(active_pool(shell), code, stream=lambda *a: None, display=lambda *a: None,
-             data_sink=sink)
+    live, shown = _run_shown(shell, "for step in range(12):\n    train_step(model, opt, "
+                                    "batch(step))\n    time.sleep(0.2)")
     assert 2 in shown, f"the offload panel never joined the shown dashboard: {shown}"
     assert live.view.widget.children == (live.view.figure, live.view.offload_figure)
 

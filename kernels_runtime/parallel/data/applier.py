@@ -28,11 +28,11 @@ from kernels_runtime.precision import compute_dtype
 def check(state: ParallelState, model: nn.Module) -> str | None:
     """Every zero stage runs (``Plan.validate`` checked the rest); deferred parameters (on the
     meta device) are materialized only by the offload applier, one unit at a time."""
-    offloading = state.ctx.plan.offload != "none" and state.optimizer is not None
+    offloading = state.ctx.plan.offload != "none"
     if has_deferred(model) and not offloading:
         return ("the model's parameters are on the meta device (built under "
-                "deferred_parameters()): only an offloading plan with an optimizer "
-                "materializes them, unit by unit (e.g. add 'zero=3 offload=auto "
+                "deferred_parameters()): only an offloading plan materializes them, unit by "
+                "unit (e.g. add 'zero=3 offload=auto "
                 "device_mem=...'); otherwise build the model normally")
     return None
 
@@ -41,7 +41,7 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     ctx, plan = state.ctx.fold_sp(), state.ctx.plan  # sp ranks are data replicas here
     move_real(model, ctx.device)  # deferred (meta) parameters are materialized later
     sync_module_states(model, ctx)
-    offloading = plan.offload != "none" and state.optimizer is not None
+    offloading = plan.offload != "none"
     if offloading:
         pass  # the offload applier lays the state out in chunks (kernels_runtime.memory)
     elif plan.zero_stage == 3:

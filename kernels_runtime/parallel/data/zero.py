@@ -45,10 +45,11 @@ from kernels_runtime.precision import compute_dtype
 
 
 def named_param_groups(
-    model: nn.Module, optimizer: torch.optim.Optimizer,
+    model: nn.Module, optimizer: torch.optim.Optimizer | None,
     replaced: dict[int, nn.Parameter] | None = None,
 ) -> list[list[tuple[str, nn.Parameter]]]:
-    """The optimizer's param groups as (name, parameter) lists, trainable ones only.
+    """The optimizer's param groups as (name, parameter) lists, trainable ones only; without
+    an optimizer (weights for inference), one group of the model's trainable parameters.
 
     ``replaced`` maps parameters an earlier applier swapped (tensor-parallel shards) from the
     id of the one the optimizer was built over to the model's new one; tied parameters the
@@ -56,7 +57,9 @@ def named_param_groups(
     replaced = replaced or {}
     params = {id(p): (n, p) for n, p in model.named_parameters()}
     groups, seen = [], set()
-    for group in optimizer.param_groups:
+    param_groups = optimizer.param_groups if optimizer is not None else \
+        [{"params": [p for _, p in params.values()]}]
+    for group in param_groups:
         current = [replaced.get(id(p), p) for p in group["params"]]
         missing = [p for p in current if id(p) not in params]
         if missing:
@@ -72,14 +75,16 @@ def named_param_groups(
 
 
 def sharded_strategy(
-    sync: GradSync, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
-    layouts: dict[str, ParamLayout], zero_stage: int, precision: str,
+    sync: GradSync, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+    ctx: ParallelContext, layouts: dict[str, ParamLayout], zero_stage: int, precision: str,
     replaced: dict[int, nn.Parameter] | None,
 ) -> list[list[tuple[str, nn.Parameter]]]:
     """What every strategy that shards over dp sets first (flat buckets here, offload's
     chunks): the element-wise check, context, stage, dtype, dp coordinates and a layout for
-    every trainable parameter; returns the optimizer's named param groups."""
-    check_elementwise(optimizer)
+    every trainable parameter; returns the optimizer's named param groups (without an
+    optimizer, offload's weights for inference: one group)."""
+    if optimizer is not None:
+        check_elementwise(optimizer)
     sync.ctx, sync.stage = ctx, zero_stage
     sync.dtype = compute_dtype(precision)
     sync.dp, sync.dp_rank = ctx.dp_size, ctx.dp_rank

@@ -43,6 +43,9 @@ def _run(plan: str, world: int, accum: int = 1,
         snap = ctx.telemetry.snapshot()
         assert snap["offload"]["evictions"] - published_before == sum(evictions)
         assert snap["offload"]["tiers"] == tiers and snap["memory"]["disk_spill"] == tiers["disk"]
+        folder = getattr(opt.sync, "spill_folder", None)  # its files are exactly the disk tier
+        files = sum(f.stat().st_size for f in folder.iterdir()) if folder else 0
+        assert files == tiers["disk"], (files, tiers)
     params = state_parameters(model)
     return losses, params, evictions, tiers, [max(p) for p in zip(*peaks)]
 
