@@ -6,7 +6,9 @@ It runs in one process (world size 1 on nccl; more ranks need more GPUs) and che
 CPU test suite cannot: the accelerator picks cuda/nccl by itself; a collective's ``wait`` does
 not block the host while the device is busy (no timed host wait on nccl); its timing arrives
 from device events without a synchronize; ``train_step`` of a tiny GPT-2 on the GPU records a
-step split from events; a checkpoint round trip restores the weights and the CUDA RNG state.
+step split from events; a checkpoint round trip restores the weights and the CUDA RNG state;
+offloaded training (state in pinned host memory, parameters prefetched to the device on a side
+stream) gives the same losses.
 """
 
 from __future__ import annotations
@@ -84,13 +86,39 @@ def main(argv: list[str] | None = None) -> int:
         same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
         checks["checkpoint_round_trip"] = same
         checks["cuda_rng_restored"] = torch.equal(torch.cuda.get_rng_state(), rng)
+    checks.update(_offload(ctx, model.config))
     session.close()
     ok = all(checks[k] is True for k in (
-        "host_not_blocked", "split_sane", "checkpoint_round_trip", "cuda_rng_restored"))
+        "host_not_blocked", "split_sane", "checkpoint_round_trip", "cuda_rng_restored",
+        "offload_same_losses", "offload_prefetched"))
     ok = ok and checks["timing_deferred_then_resolved"] == [0, 1]
     checks["ok"] = ok
     print(json.dumps(checks))
     return 0 if ok else 1
+
+
+def _offload(ctx, config) -> dict:
+    """Heterogeneous memory on the GPU: every kind of state in pinned host memory, parameters
+    prefetched to the device on the side stream while the unit before computes; the losses
+    match training without offload (fp32; GPU kernels, so 1e-5) and prefetches happened."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from kernels_runtime import parallelize, train_step
+
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1))
+    losses, uploads = {}, 0
+    for plan in ("dp=1", "dp=1 zero=3 offload=auto device_mem=14MiB"):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(config)
+        model, opt = parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                 ctx=ctx.with_plan(plan), verbose=False)
+        losses[plan] = [train_step(model, opt, [(ids, ids)]).loss for _ in range(4)]
+        uploads = getattr(getattr(opt.sync, "store", None), "uploads", uploads)
+    plain, offloaded = losses.values()
+    rel = max(abs(a - b) / abs(b) for a, b in zip(offloaded, plain))
+    return {"offload_loss_rel": rel, "offload_same_losses": rel <= 1e-5,
+            "offload_uploads": uploads, "offload_prefetched": uploads > 0}
 
 
 if __name__ == "__main__":

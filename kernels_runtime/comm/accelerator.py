@@ -55,6 +55,9 @@ def _count(kind: str) -> int:
         return 0
 
 
+_COPY_STREAMS: dict[torch.device, Any] = {}  # one side stream per device for prefetch copies
+
+
 @dataclass(frozen=True)
 class Accelerator:
     """The device a rank computes on and the collective backend that matches it."""
@@ -170,6 +173,30 @@ class Accelerator:
         if self.module is None:
             return None
         return self.module.Event(enable_timing=True)
+
+    def copy_to_device_async(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start copying pinned ``host`` to the device on a side stream, so the copy overlaps
+        the compute queued on the current one; returns (device tensor, event). The side stream
+        first waits for the current one (the copy must not overtake what is queued before
+        it). Use the tensor only after ``wait_copy``. Only where work is queued (a GPU)."""
+        module = self.module
+        stream = _COPY_STREAMS.get(self.device)
+        if stream is None:
+            stream = _COPY_STREAMS[self.device] = module.Stream(self.device)
+        stream.wait_stream(module.current_stream(self.device))
+        with module.stream(stream):
+            target = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            target.copy_(host, non_blocking=True)
+            done = module.Event()
+            done.record(stream)
+        return target, done
+
+    def wait_copy(self, target: torch.Tensor, done: Any) -> None:
+        """The current stream waits (on the device, not the host) for a copy started by
+        ``copy_to_device_async``; the allocator is told the tensor is used on it now."""
+        current = self.module.current_stream(self.device)
+        current.wait_event(done)
+        target.record_stream(current)
 
     def device_timer(self) -> EventTimer | None:
         """Times compute regions by device events (the telemetry's ``DeviceTimer``); None on

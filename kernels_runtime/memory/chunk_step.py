@@ -86,6 +86,7 @@ class ChunkStep(GradSync):
     def optimizer_step(self, inner: torch.optim.Optimizer) -> None:
         self.finish()
         self.unpin()
+        self.store.cancel_uploads()  # device copies of parameters about to change
         order = [c.index for c in self.chunks if self.grad[c.index] is not None]
         for k, i in enumerate(order):
             if k + 1 < len(order):

@@ -190,6 +190,14 @@ class ChunkGradSync(ChunkStep):
         for i in self.units[u].chunks:
             self._active[i] += 1
             self.gather(i)
+        self._prefetch_unit(u + 1)
+
+    def _prefetch_unit(self, u: int) -> None:
+        """The parameters of the unit computed next start for the device on a side stream
+        while this one computes (a GPU; on the host the tiers are one memory)."""
+        if 0 <= u < len(self.units):
+            for i in self.units[u].chunks:
+                self.placer.prefetch_to_device(self.param[i])
 
     def _after_forward(self, u: int, output) -> None:
         for i in self.units[u].chunks:
@@ -215,6 +223,7 @@ class ChunkGradSync(ChunkStep):
             if i not in self._reduced:
                 self.gather(i)
                 self._held.add(i)
+        self._prefetch_unit(u - 1)  # backward runs the units in reverse
 
     # ---- gather and release --------------------------------------------------------------
     def gather(self, i: int) -> None:

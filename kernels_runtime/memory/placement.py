@@ -157,6 +157,8 @@ class Placer:
             if lower != Tier.DISK:
                 self.make_room(lower, victim.nbytes, keep=keep)
             self._move(victim, lower)
+        if tier == Tier.DEVICE and self.store.used[tier] + nbytes > limit:
+            self.store.cancel_uploads()  # prefetched copies give way to what is needed now
         if self.store.used[tier] + nbytes > limit:
             reserve = self.reserve if tier == Tier.DEVICE else 0
             measured = (f" and {human_bytes(reserve)} of activations measured in this step"
@@ -167,6 +169,13 @@ class Placer:
                 f"hold what this step needs at once: {human_bytes(self.store.used[tier])} in "
                 f"use that cannot move, {human_bytes(nbytes)} more{measured}; give at least "
                 f"{human_bytes(need)} ({tier.label}_mem=...) or use a smaller micro-batch")
+
+    def prefetch_to_device(self, payload: Payload) -> None:
+        """Start moving a host payload to the device ahead of its use (the next unit's
+        parameters; a GPU's side stream) if the device budget has room for it now."""
+        if payload.tier == Tier.HOST and (self.store.used[Tier.DEVICE] + payload.nbytes
+                                          <= self.limit(Tier.DEVICE)):
+            self.store.prefetch_to_device(payload)
 
     def prefetch(self, payload: Payload) -> None:
         """Start reading a disk payload back if the host budget has room for it now."""

@@ -74,6 +74,8 @@ class TierStore:
         self.wait_seconds = 0.0
         self._reads: dict[str, tuple[Future, torch.Tensor]] = {}
         self._writes: dict[str, tuple[Future, torch.Tensor, Payload]] = {}
+        self._uploads: dict[str, tuple[torch.Tensor, object]] = {}  # host -> device prefetch
+        self.uploads = 0  # prefetches to the device started (a GPU's side stream)
         self.write_behind_bytes = WRITE_BEHIND_BYTES
         self.activations = 0  # device bytes that are not model state (the placement's reserve)
         self.total_peak = 0  # of device model state, working buffers and activations together
@@ -144,6 +146,8 @@ class TierStore:
     def free(self, payload: Payload) -> None:
         """Drop the payload's values everywhere (a gradient after its step)."""
         self._settle_write(payload)
+        if self._uploads.pop(payload.key, None) is not None:
+            self._sub(Tier.DEVICE, payload.nbytes)
         if payload.tier == Tier.DISK:
             self.disk.delete(payload.key)
         self._sub(payload.tier, payload.nbytes, working=not payload.persistent)
@@ -157,11 +161,18 @@ class TierStore:
         if payload.tier == tier:
             return
         source = payload.tier
+        upload = self._uploads.pop(payload.key, None)
+        if upload is not None and tier != Tier.DEVICE:  # prefetched, then sent elsewhere
+            self._sub(Tier.DEVICE, payload.nbytes)
+            upload = None
         data = self._read_back(payload) if source == Tier.DISK else payload.handle.data
         self.moved[(source.label, tier.label)] += payload.nbytes
         if tier > source:
             self.evictions += 1
-        if tier == Tier.DISK:
+        if upload is not None:  # copied on the side stream: the compute stream waits for it
+            self.accelerator.wait_copy(*upload)
+            payload.handle.data = upload[0]  # its device bytes were charged at the prefetch
+        elif tier == Tier.DISK:
             host = data if data.device.type == "cpu" else self._to_host(data)
             self._writes[payload.key] = (self.disk.write(payload.key, host), host, payload)
             payload.handle.data = torch.empty(0, dtype=payload.dtype)
@@ -185,6 +196,25 @@ class TierStore:
         host = self._empty(data.numel(), data.dtype, Tier.HOST)
         host.copy_(data)  # blocking: the disk thread reads it next
         return host
+
+    def prefetch_to_device(self, payload: Payload) -> None:
+        """Start copying a host payload to the device on the side stream (a GPU only; on the
+        host the device tier is the same memory). Charged to the device from now on."""
+        if (not self.accelerator.queues_work or payload.tier != Tier.HOST
+                or payload.key in self._uploads):
+            return
+        self._uploads[payload.key] = self.accelerator.copy_to_device_async(payload.handle.data)
+        self.uploads += 1
+        self._add(Tier.DEVICE, payload.nbytes)
+
+    def cancel_uploads(self) -> int:
+        """Drop the device copies prefetched and not yet used; the bytes they held."""
+        freed = 0
+        for key in list(self._uploads):
+            target, _ = self._uploads.pop(key)
+            self._sub(Tier.DEVICE, target.nbytes)
+            freed += target.nbytes
+        return freed
 
     def prefetch(self, payload: Payload) -> None:
         """Start reading a disk payload back into host memory (no wait)."""
