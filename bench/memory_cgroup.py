@@ -7,7 +7,8 @@ The group counts everything the process touches, page cache included, and kills 
 limit (a trial that dies did not fit; the group's ``max_usage_in_bytes`` is printed for those
 that did). Plain PyTorch (an ordinary model, AdamW) is deepened until it no longer fits; the
 disk tier trains a model built under ``deferred_parameters()`` (built unit by unit, never
-whole) with ``zero=3 offload=auto`` and small device and host budgets, everything else on disk.
+whole) with ``zero=3 offload=auto``, small device and host budgets and activation checkpointing
+(the device budget counts activations), everything else on disk.
 Both sides fix glibc's malloc thresholds first thing (``memory/host_malloc.py``; the offload
 applier does it too, but only a process that starts so keeps RSS near the tiers' accounts).
 Needs root and the cgroup v1 memory controller; without them the row says why and is skipped.
@@ -187,8 +188,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=[2, 4, 6, 8, 10, 12, 16])
     parser.add_argument("--cgroup-disk-hidden", type=int, default=768)
     parser.add_argument("--cgroup-disk-layers", type=int, default=96)
+    # ckpt: the device budget covers activations too (memory/activation_reserve.py), and
+    # 96 blocks' saved tensors alone (101 MiB at this size) would not leave room for a block
     parser.add_argument("--cgroup-disk-plan", default="dp=1 zero=3 offload=auto "
-                        "device_mem=128MiB host_mem=64MiB")
+                        "device_mem=128MiB host_mem=64MiB ckpt")
 
 
 QUICK = {"cgroup_mem": "512MiB", "cgroup_plain_hidden": 64, "cgroup_plain_layers": [2],
