@@ -1,0 +1,351 @@
+"""``Engine``: serve generation requests from a model split over ranks, host and disk.
+
+The engine is built on every rank of a pool, like ``parallelize``: the model is parallelized
+without an optimizer (``parallelize_model``: tensor-parallel heads, pipeline stages, weights on
+host or disk under an offloading plan), a paged KV cache is sized from ``kv_mem``, and each
+``step()`` runs one forward over the tokens the scheduler picked (``scheduler.py``), samples the
+requests that reached the end of their tokens and retires the finished ones.
+
+Ranks of one replica (the tp x pp ranks sharing a dp coordinate) make the same calls with the
+same arguments and keep identical schedulers; only activations and the sampled tokens pass
+between them (the last pipeline stage broadcasts the tokens). Data-parallel replicas are
+independent engines: ``generate`` deals the prompts out over them (on CPUs, replicas often beat
+tensor parallelism) and gathers the results to every rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kernels_runtime.inference.attention import install
+from kernels_runtime.inference.batch import build_batch
+from kernels_runtime.inference.blocks import BlockPool
+from kernels_runtime.inference.kv_cache import PagedKVCache, blocks_for, bytes_per_block
+from kernels_runtime.inference.params import RequestOutput, SamplingParams
+from kernels_runtime.inference.requests import RequestError, check_fits, check_params, prompt_ids
+from kernels_runtime.inference.runner import ModelRunner
+from kernels_runtime.inference.sampling import new_generator, sample, stop_check
+from kernels_runtime.inference.scheduler import ScheduledStep, Scheduler
+from kernels_runtime.inference.sequence import Sequence
+from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.mesh.plan import Plan, PlanError
+from kernels_runtime.mesh.sizes import human_bytes, parse_bytes
+from kernels_runtime.mesh.validation import pipeline_chunks
+from kernels_runtime.parallel.state import parallel_state
+from kernels_runtime.policies import find_module
+from kernels_runtime.precision import compute_dtype
+
+
+def inference_problem(plan: Plan) -> str | None:
+    """Why ``plan`` cannot serve inference, or None."""
+    if plan.tp_mode != "1d":
+        return (f"the inference engine runs 1D tensor parallelism; tp_mode={plan.tp_mode} "
+                "splits heads over a grid it does not page yet: use tp_mode=1d")
+    if plan.sp > 1:
+        return ("sequence parallelism splits one sequence over ranks for training; for "
+                "inference use tp, pp or dp replicas (sp=1)")
+    if plan.pp > 1 and pipeline_chunks(plan) > 1:
+        return (f"inference runs one chunk per pipeline stage; pp_schedule={plan.pp_schedule} "
+                "has several: use pp_schedule=1f1b or gpipe")
+    if plan.dp > 1 and (plan.zero_stage == 3 or plan.offload != "none"):
+        return ("data-parallel replicas serve their own requests, so each holds its whole "
+                "model: zero=3 and offload shard weights over dp; use dp=1 with offload (or "
+                "pp/tp to split the model), or zero<=2 without offload for replicas")
+    return None
+
+
+class Engine:
+    """Paged-KV, continuously batched generation (module docstring). Collective: every rank
+    builds it with the same arguments, then calls ``generate`` / ``stream`` together (or
+    ``add_request`` / ``step`` / ``abort`` together within a replica)."""
+
+    def __init__(self, model: nn.Module, plan: Plan | str | None = None, *, ctx: Any = None,
+                 comm: Any = None, kv_mem: int | str | None = None, tokenizer: Any = None,
+                 block_size: int = 16, max_num_seqs: int = 32, max_batch_tokens: int = 512,
+                 max_model_len: int | None = None, prefix_sharing: bool = True,
+                 preemption: str = "recompute", seed: int = 0, spill_dir: str | None = None,
+                 verbose: bool = True) -> None:
+        from kernels_runtime.api import parallelize_model
+
+        if block_size < 1 or max_num_seqs < 1 or max_batch_tokens < 1:
+            raise ValueError("block_size, max_num_seqs and max_batch_tokens must be >= 1")
+        state = parallel_state(model)
+        if state is None:
+            if ctx is None:
+                plan = Plan.parse(plan if plan is not None else Plan())
+                # micro-batches are a training notion: a pipeline's check for enough of them
+                # (so stages do not idle) has nothing to check here
+                plan = replace(plan, microbatches=max(plan.microbatches, plan.pp))
+                ctx = ParallelContext.build(plan, comm)
+            problem = inference_problem(ctx.plan)
+            if problem:
+                raise PlanError(problem)
+            model = parallelize_model(model, ctx=ctx, spill_dir=spill_dir, verbose=verbose)
+            state = parallel_state(model)
+        assert state is not None
+        problem = inference_problem(state.ctx.plan)
+        if problem:
+            raise PlanError(problem)
+        self.model, self.state, self.ctx = model.eval(), state, state.ctx
+        self.tokenizer, self.block_size = tokenizer, block_size
+        config = getattr(model, "config", None)
+        layout = state.policy.model_layout(model)
+        if config is None or layout is None or layout.attention is None \
+                or not layout.attention.causal:
+            raise TypeError(f"the inference engine serves HF causal decoders (GPT-2, LLaMA, "
+                            f"Mistral, Qwen2/3); {type(model).__name__} is not one")
+        attention = [find_module(b, layout.attention.path)[1] for b in state.blocks]
+        self.vocab = int(config.vocab_size)
+        limit = getattr(config, "max_position_embeddings", None) or 2**31
+        self.max_model_len = min(max_model_len or limit, limit)
+        dtype = compute_dtype(self.ctx.plan.precision)
+        self.runner = ModelRunner(model, state, attention, int(config.hidden_size), dtype)
+        shapes = self.runner.probe()
+        self.kv_mem = self._budget(kv_mem, shapes, dtype, max_num_seqs)
+        blocks = torch.tensor([blocks_for(self.kv_mem, shapes, block_size, dtype)])
+        self.ctx.comm.all_reduce(blocks, op=dist.ReduceOp.MIN)  # one block table fits all
+        num_blocks = int(blocks)
+        if num_blocks < 1:
+            per = bytes_per_block(shapes, block_size, dtype)
+            raise ValueError(f"kv_mem={human_bytes(self.kv_mem)} holds no KV block of "
+                             f"{block_size} tokens ({human_bytes(per)} on this rank); give at "
+                             "least that")
+        self.cache = PagedKVCache(shapes, num_blocks, block_size, dtype, self.ctx.device)
+        self.runner.layers = install(attention, self.cache)
+        self.pool = BlockPool(num_blocks, block_size, prefix_sharing)
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_batch_tokens, preemption)
+        self.eos = _eos_ids(model)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.sequences: dict[str, Sequence] = {}
+        self.rejected: list[RequestOutput] = []  # bad requests, reported by the next step
+        self._ids = itertools.count()
+        self.totals = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "requests": 0,
+                       "finished": 0, "errors": 0, "aborted": 0}
+        self.kv_tokens_sum = self.kv_slots_sum = 0  # utilisation, summed over steps
+
+    def _budget(self, kv_mem: int | str | None, shapes: list, dtype: torch.dtype,
+                max_num_seqs: int) -> int:
+        if kv_mem is not None:
+            return parse_bytes(kv_mem)
+        # default: every sequence at full length, capped at a quarter of the device
+        per_token = bytes_per_block(shapes, 1, dtype)
+        want = max_num_seqs * min(self.max_model_len, 4096) * per_token
+        from kernels_runtime.comm.accelerator import Accelerator
+
+        total = Accelerator.for_backend(dist.get_backend()).total_memory()
+        return min(want, total // 4) if total else want
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, prompt: Any, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue one request; its id. A bad one is finished at once with its ``error``."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.totals["requests"] += 1
+        try:
+            params = check_params(params, self.tokenizer is not None)
+            ids = prompt_ids(prompt, self.tokenizer, self.vocab)
+            check_fits(len(ids), params, self.max_model_len, self.block_size,
+                       self.pool.num_blocks, self.kv_mem)
+        except RequestError as err:
+            ids = prompt_ids_or_empty(prompt, self.tokenizer)
+            self.rejected.append(RequestOutput(request_id, ids, finish_reason="error",
+                                               error=str(err), finished_s=0.0))
+            self.totals["errors"] += 1
+            return request_id
+        seq = Sequence(request_id, list(ids), len(ids), params)
+        seq.generator = new_generator(params, self.generator)
+        seq.output.text = "" if self.tokenizer is not None else None
+        if params.return_logits:
+            seq.output.logits = []
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        self.totals["prompt_tokens"] += len(ids)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; False if it is not running."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq)
+        self._finish(seq, "abort", None)
+        self.totals["aborted"] += 1
+        self.rejected.append(seq.output)  # reported by the next step
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work or bool(self.rejected)
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One forward over the scheduled tokens; the outputs that changed (new tokens,
+        finished, rejected or aborted requests)."""
+        changed, self.rejected = self.rejected, []
+        step = self.scheduler.schedule()
+        if not step.chunks:
+            if self.scheduler.has_work and not step.preempted:
+                raise RuntimeError("the scheduler found nothing to run while requests wait "
+                                   "(a bug: every admitted request fits the cache)")
+            return changed
+        self._apply_cache_ops(step)
+        batch = build_batch(step.chunks, self.block_size, self.ctx.device)
+        logits = self.runner.forward(batch)
+        tokens, logits = self._agree(batch.sampled, logits)
+        self.scheduler.finish_chunks(step)
+        now = time.perf_counter()
+        for seq, token, row in zip(batch.sampled, tokens, logits or itertools.repeat(None)):
+            changed.append(self._append(seq, token, row, now))
+        self.totals["steps"] += 1
+        held = sum(s.computed for s in self.scheduler.running)
+        self.kv_tokens_sum += held
+        self.kv_slots_sum += self.pool.num_used * self.block_size
+        self.ctx.telemetry.tick(tokens=len(tokens))
+        return changed
+
+    def _apply_cache_ops(self, step: ScheduledStep) -> None:
+        for seq, blocks in step.swap_out:
+            seq.swapped_out = self.cache.save_blocks(blocks)
+        self.cache.copy_blocks(step.copies)
+        for seq, blocks in step.swap_in:
+            self.cache.load_blocks(seq.swapped_out, blocks)
+            seq.swapped_out = None
+
+    def _agree(self, sampled: list[Sequence],
+               logits: torch.Tensor | None) -> tuple[list[int], list | None]:
+        """The sampled tokens (and logits rows asked for), from the last pipeline stage to
+        every rank of the replica."""
+        want = any(s.params.return_logits for s in sampled)
+        tokens = torch.zeros(len(sampled), dtype=torch.long, device=self.ctx.device)
+        if logits is not None:
+            tokens = torch.tensor(sample(logits, sampled), device=self.ctx.device)
+        if self.runner.pp > 1:
+            group = self.ctx.group("pp")
+            last = self.ctx.topology.group_of(self.ctx.rank, ("pp",))[-1]
+            self.ctx.comm.broadcast(tokens, src=last, group=group)
+            if want:
+                if logits is None:
+                    logits = torch.empty(len(sampled), self.vocab, device=self.ctx.device)
+                self.ctx.comm.broadcast(logits, src=last, group=group)
+        rows = [row.cpu() for row in logits] if want and logits is not None else None
+        return tokens.tolist(), rows
+
+    def _append(self, seq: Sequence, token: int, row: torch.Tensor | None,
+                now: float) -> RequestOutput:
+        out = seq.output
+        seq.tokens.append(token)
+        out.token_ids.append(token)
+        out.token_times_s.append(now - seq.arrival)
+        if out.first_token_s is None:
+            out.first_token_s = now - seq.arrival
+        if row is not None and out.logits is not None:
+            out.logits.append(row)
+        if self.tokenizer is not None:
+            out.text = self.tokenizer.decode(out.token_ids)
+        self.totals["generated_tokens"] += 1
+        ended = stop_check(seq, token, self.eos, self.tokenizer)
+        if ended is not None:
+            self.scheduler.finish(seq)
+            self.sequences.pop(seq.request_id, None)
+            self._finish(seq, *ended)
+        return out
+
+    def _finish(self, seq: Sequence, reason: str, why: Any) -> None:
+        out = seq.output
+        out.finish_reason, out.stop_reason = reason, why
+        out.finished_s = time.perf_counter() - seq.arrival
+        if reason == "stop" and isinstance(why, int) and self.tokenizer is not None:
+            out.text = self.tokenizer.decode(out.token_ids[:-1])
+        self.totals["finished"] += 1
+
+    # ---- whole calls ----------------------------------------------------------------------
+    def generate(self, prompts: Seq[Any] | str, params: SamplingParams | Seq[SamplingParams]
+                 | None = None) -> list[RequestOutput]:
+        """Every prompt's output, in order, on every rank (prompts are dealt over the dp
+        replicas). ``params`` is one for all or one per prompt."""
+        outputs = {o.request_id: o for o in self.stream(prompts, params) if o.finished}
+        mine = [outputs[i] for i in sorted(outputs, key=lambda r: int(r.rsplit("-", 1)[1]))]
+        if self.ctx.dp_size == 1:
+            return mine
+        gathered: list[list[RequestOutput]] = [[] for _ in range(self.ctx.dp_size)]
+        dist.all_gather_object(gathered, mine, group=self.ctx.dp_group)
+        every = [o for part in gathered for o in part]
+        return sorted(every, key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
+
+    def stream(self, prompts: Seq[Any] | str, params: SamplingParams | Seq[SamplingParams]
+               | None = None) -> Iterator[RequestOutput]:
+        """This replica's outputs as they change, step by step (the same object for a request
+        each time: read it, or copy it to keep a snapshot). Request ids end in the prompt's
+        index."""
+        if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
+            prompts = [prompts]
+        if not isinstance(params, (list, tuple)):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give "
+                             "one for all or one per prompt")
+        call = next(self._ids)
+        dp, me = self.ctx.dp_size, self.ctx.dp_rank
+        ids = [self.add_request(p, s, request_id=f"gen{call}-{i}")
+               for i, (p, s) in enumerate(zip(prompts, params)) if i % dp == me]
+        self.ctx.telemetry.pause()
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                if out.request_id in pending:
+                    if out.finished:
+                        pending.discard(out.request_id)
+                    yield out
+
+    # ---- figures --------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Queue, KV blocks and totals now (this replica); what telemetry publishes."""
+        pool, s = self.pool, self.scheduler
+        held = sum(q.computed for q in s.running)
+        return {"running": len(s.running), "waiting": len(s.waiting),
+                "swapped": len(s.swapped), "blocks_total": pool.num_blocks,
+                "blocks_used": pool.num_used, "blocks_free": pool.num_free,
+                "blocks_shared": pool.num_shared, "blocks_cached": pool.num_cached,
+                "block_size": self.block_size, "kv_tokens": held,
+                "kv_bytes": self.cache.nbytes, "preemptions": s.preemptions,
+                "prefix_hit_blocks": pool.hits,
+                "kv_utilisation": self.kv_tokens_sum / self.kv_slots_sum
+                if self.kv_slots_sum else None, "weights": self._weight_tiers(),
+                **self.totals}
+
+    def _weight_tiers(self) -> dict[str, int] | None:
+        """Bytes of weights per tier (device, host, disk) under an offloading plan."""
+        tiers = getattr(self.state.model_state, "tier_bytes", None)
+        return dict(tiers()) if tiers is not None else None
+
+
+def prompt_ids_or_empty(prompt: Any, tokenizer: Any) -> list[int]:
+    """The prompt's ids where they can be read (for a rejected request's output)."""
+    try:
+        if isinstance(prompt, str):
+            return list(tokenizer.encode(prompt)) if tokenizer is not None else []
+        if isinstance(prompt, torch.Tensor):
+            return [int(i) for i in prompt.flatten().tolist()]
+        return [i for i in prompt if isinstance(i, int)]
+    except Exception:  # noqa: BLE001 - a rejected request's echo is best effort
+        return []
+
+
+def _eos_ids(model: nn.Module) -> set[int]:
+    out: set[int] = set()
+    for config in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        value = getattr(config, "eos_token_id", None)
+        if value is None:
+            continue
+        out.update(value if isinstance(value, (list, tuple)) else [value])
+    return {int(v) for v in out}
