@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml $(EXTENSION)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH)
 	rm -rf workbench/lab/labextension
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,mpi]"
 	touch $(STAMP)
 
 demo: $(STAMP)

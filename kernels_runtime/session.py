@@ -26,6 +26,7 @@ from kernels_runtime.comm import (
     find_free_port,
     init_distributed,
 )
+from kernels_runtime.launcher_env import host_address
 from kernels_runtime.mesh.cache import MeshCache
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.plan import Plan
@@ -142,6 +143,8 @@ class RankSession:
             "world_size": self.world_size,
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            "local_rank": self.state.local_rank,
+            "master_addr": self.state.master_addr,
             "device": str(acc.device),
             "backend": self.state.backend,
             "memory": acc.memory_in_use(),
@@ -157,11 +160,7 @@ def _share_cores(state: DistributedState, local_world_size: int) -> None:
 def rendezvous_address(local: bool) -> tuple[str, int]:
     """Address and a free port on this (rank 0's) host for the others to join.
 
-    ``local`` pools use the loopback address; multi-node pools use this host's resolvable
-    address, since the other ranks connect to it over the network.
+    ``local`` pools (every rank on this host) use the loopback address; multi-host pools use
+    the address this host's name resolves to, since the other ranks connect over the network.
     """
-    if local:
-        return "127.0.0.1", find_free_port("127.0.0.1")
-    host = socket.getfqdn()
-    addr = socket.gethostbyname(host)
-    return addr, find_free_port("0.0.0.0")
+    return host_address(local, find_free_port)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -37,9 +37,17 @@ class LoopThread:
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+    def run(self, coro: Coroutine[Any, Any, T],
+            on_wait: Callable[[], None] | None = None) -> T:
+        """Run ``coro`` on the loop and wait; ``on_wait`` is called in the waiting (calling)
+        thread about 4 times a second, so what it prints lands in the caller's cell."""
         future = self.submit(coro)
         try:
+            while on_wait is not None:
+                try:
+                    return future.result(timeout=0.25)
+                except concurrent.futures.TimeoutError:
+                    on_wait()
             return future.result()
         except KeyboardInterrupt:
             future.cancel()

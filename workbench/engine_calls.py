@@ -57,10 +57,41 @@ class TelemetryCellHooks:
 
 
 @interactive
+def identify() -> dict[str, Any]:
+    """Who this engine is: host, device, pid, the launcher's ranks, torch and workbench
+    versions (compared across hosts at start)."""
+    import os
+    import socket
+
+    import torch
+
+    import workbench
+    from kernels_runtime.launcher_env import launcher_rank
+
+    return {
+        "host": socket.gethostname(),
+        "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        "pid": os.getpid(),
+        "torch": str(torch.__version__),  # a plain str: TorchVersion would import torch here
+        "workbench": workbench.__version__,
+        **launcher_rank(),
+    }
+
+
+@interactive
 def rank_address(local: bool) -> tuple[str, int]:
     from kernels_runtime.session import rendezvous_address
 
     return rendezvous_address(local)
+
+
+@interactive
+def mpi_rank_address(root: int, local: bool) -> tuple[str, int]:
+    """Called on every engine of an MPI pool at once: MPI rank ``root`` picks the rendezvous
+    and MPI broadcasts it."""
+    from kernels_runtime.launcher_env import mpi_rendezvous
+
+    return mpi_rendezvous(root, local)
 
 
 @interactive

@@ -29,7 +29,7 @@ from typing import Any
 
 from ipyparallel.error import RemoteError
 
-from workbench.errors import PoolError, RankError, RankFailureError, describe_exit
+from workbench.errors import PoolError, RankError, RankFailureError
 from workbench.lab.state import PoolStateFile
 from workbench.pool import Pool
 
@@ -96,8 +96,10 @@ class _DataForwarder:
 
 
 def _dead_rank_error(pool: Pool, rank: int) -> RankError:
-    how = describe_exit(pool.exit_code_of(rank))
-    return RankError(rank, "died", "RankDied", f"rank {rank} process died ({how})")
+    host = pool.host_of(rank)
+    where = f" on host {host}" if host else ""
+    return RankError(rank, "died", "RankDied",
+                     f"rank {rank}{where} process died ({pool.death_reason(rank)})")
 
 
 def _rank_error(pool: Pool, rank: int, exc: BaseException) -> RankError:

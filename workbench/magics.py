@@ -26,6 +26,7 @@ from workbench.dashboard import LiveDashboard, RunHistory, preload
 from workbench.errors import PoolError
 from workbench.execution import run_cell
 from workbench.pool import Pool
+from workbench.ranks import tp_groups_within_hosts
 
 POOL_COMMANDS = ("start", "stop", "restart", "status")
 
@@ -48,6 +49,14 @@ def _pool_args(f):
                  help="ipyparallel engine launcher: local, mpi, slurm, ssh, ..."),
         argument("--controller-ip", default=None,
                  help="address the controller binds to (required for remote launchers)"),
+        argument("--hosts", default=None,
+                 help="ssh launcher: engines per host, e.g. node1:2,node2:2"),
+        argument("--launcher-option", action="append", default=[], dest="launcher_options",
+                 help="repeatable; slurm: an sbatch option (--launcher-option=--partition=gpu)"
+                      ", mpi: an mpiexec argument"),
+        argument("--start-timeout", type=float, default=None,
+                 help="seconds start/restart wait for engines, a queued Slurm job included "
+                      "(default 120)"),
     ]):
         f = arg(f)
     return _timeout_arg(f)
@@ -150,11 +159,15 @@ class ColossalMagics(Magics):
             raise UsageError(f"{self.pool!r} is already running; use `%colossal restart`")
         pool = Pool(
             args.n, backend=args.backend, launcher=args.launcher,
-            controller_ip=args.controller_ip,
+            controller_ip=args.controller_ip, hosts=_unquote(args.hosts),
+            launcher_options=[_unquote(o) for o in args.launcher_options],
             collective_timeout_s=args.timeout if args.timeout else 60.0,
+            start_timeout_s=args.start_timeout if args.start_timeout else 120.0,
         )
-        preload()  # the dashboard's imports take seconds: overlap them with the engines' start
-        pool.start()
+        pool.start(progress=_progress)
+        # The dashboard's imports take seconds of CPU: after the start, not during it (on a
+        # small machine they would slow the engines' torch imports), while the user reads.
+        preload()
         self.pool, self._sent_plan = pool, None
         print(f"colossal: {pool.world_size} ranks on {pool.backend} ready")
 
@@ -169,7 +182,9 @@ class ColossalMagics(Magics):
     def _cmd_restart(self, args: Any) -> None:
         if self.pool is None:
             return self._cmd_start(args)
-        self.pool.restart()
+        if args.start_timeout:
+            self.pool.start_timeout_s = args.start_timeout
+        self.pool.restart(progress=_progress)
         self._sent_plan = None
         print(f"colossal: {self.pool.world_size} ranks on {self.pool.backend} restarted")
 
@@ -210,6 +225,9 @@ class ColossalMagics(Magics):
             plan = plan.validate(pool.world_size)
         except PlanError as e:
             raise UsageError(f"--plan: {e}") from None
+        across = tp_groups_within_hosts(pool.hosts, plan.tp)
+        if across:
+            raise UsageError(f"--plan: {across}")
         pushes = _names(args.push)
         missing = [n for n in pushes if n not in self.shell.user_ns]
         if missing:
@@ -240,17 +258,22 @@ class ColossalMagics(Magics):
             self._sent_plan = key
 
 
+def _progress(note: str) -> None:
+    print(f"colossal: waiting: {note}", flush=True)
+
+
 def format_status(pool: Pool) -> str:
     """A plain-text table of ``Pool.status()``."""
     rows = pool.status()
-    header = f"{'rank':>4}  {'engine':>6}  {'host':<16} {'pid':>7}  {'device':<8} {'backend':<7} " \
-             f"{'state':<5} {'rss MiB':>8} {'dev MiB':>8}"
+    header = f"{'rank':>4}  {'engine':>6}  {'host':<16} {'local':>5} {'pid':>7}  {'device':<8} " \
+             f"{'backend':<7} {'state':<5} {'rss MiB':>8} {'dev MiB':>8}"
     lines = [header]
     for r in rows:
         rss = r.memory.get("host_rss", 0) / 2**20
         dev = r.memory.get("device_allocated", 0) / 2**20
         lines.append(
-            f"{r.rank:>4}  {r.engine_id:>6}  {r.host[:16]:<16} {r.pid:>7}  {r.device:<8} "
+            f"{r.rank:>4}  {r.engine_id:>6}  {r.host[:16]:<16} {r.local_rank:>5} {r.pid:>7}  "
+            f"{r.device:<8} "
             f"{r.backend:<7} {r.state:<5} {rss:>8.0f} {dev:>8.0f}"
         )
     return "\n".join(lines)

@@ -21,20 +21,25 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import importlib.metadata
 import logging
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import ipyparallel as ipp
 
+import workbench
 from kernels_runtime.memory.spill import POOL_ENV, remove_stale, spill_root
 from workbench import engine_calls
 from workbench._async import LoopThread
-from workbench.errors import PoolError
+from workbench.errors import PoolError, describe_exit
 from workbench.lab.state import PoolStateFile, rank_row
-from workbench.launchers import LauncherSpec, resolve_launcher
+from workbench.launchers import LauncherSpec, cluster_config, resolve_launcher
+from workbench.ranks import assign_ranks, check_versions
+from workbench.slurm import JobState, job_state
 
 log = logging.getLogger("workbench.pool")
 HEARTBEAT_ARG = "--HeartMonitor.period=500"
@@ -52,10 +57,22 @@ class RankStatus:
     backend: str
     state: str  # "idle" | "busy" | "dead"
     memory: dict[str, int] = field(default_factory=dict)
+    local_rank: int = 0
 
 
 def _visible_gpu_count() -> int:
-    try:
+    """GPUs this host's engines would see, read from the NVIDIA driver without importing torch
+    (which costs the notebook over a second at every start); torch decides elsewhere."""
+    nvidia = "/proc/driver/nvidia/gpus"
+    if not os.path.isdir(nvidia) and not os.path.exists("/dev/kfd"):
+        return 0
+    if os.path.isdir(nvidia) and not os.path.exists("/dev/kfd"):
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        present = len(os.listdir(nvidia))
+        if visible is None:
+            return present
+        return min(present, len([d for d in visible.split(",") if d.strip() not in ("", "-1")]))
+    try:  # ROCm and mixed hosts: ask torch
         import torch
 
         return torch.cuda.device_count()
@@ -63,16 +80,13 @@ def _visible_gpu_count() -> int:
         return 0
 
 
-@ipp.interactive
-def _engine_identity() -> dict[str, Any]:
-    import os
-    import socket
-
-    return {
-        "host": socket.gethostname(),
-        "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-        "pid": os.getpid(),
-    }
+def _notebook_versions() -> dict[str, str]:
+    """Versions the engines must match (torch read from its metadata: the notebook side never
+    imports torch)."""
+    versions = {"workbench": workbench.__version__}
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        versions["torch"] = importlib.metadata.version("torch")
+    return versions
 
 
 class Pool:
@@ -85,7 +99,14 @@ class Pool:
     launcher: ipyparallel engine launcher: "local" (default), "mpi", "slurm", "ssh", ...
     controller_ip: address the controller binds to. Defaults to 127.0.0.1; remote launchers
         require it explicitly, since binding beyond loopback exposes the controller.
+    hosts: for the ssh launcher, engines per host: ``"node1:2,node2:2"`` or a dict.
+    launcher_options: Slurm: sbatch options (``["--partition=debug"]``); MPI: mpiexec
+        arguments (``["--hostfile", "hosts"]``).
+    remote_python: the Python (with torch and the workbench) engines run on other hosts;
+        default: this one's path.
     collective_timeout_s: a collective that does not complete within this raises on the rank.
+    start_timeout_s: how long start and restart wait for engines (a Slurm job in the queue
+        included) and for torch.distributed to initialise.
     publish_state: write the pool-state file for the JupyterLab extension; by default only
         inside a Jupyter kernel.
     """
@@ -97,6 +118,9 @@ class Pool:
         backend: str | None = None,
         launcher: str = "local",
         controller_ip: str | None = None,
+        hosts: str | dict[str, int] | None = None,
+        launcher_options: list[str] | tuple[str, ...] = (),
+        remote_python: str | None = None,
         collective_timeout_s: float = 60.0,
         start_timeout_s: float = 120.0,
         publish_state: bool | None = None,
@@ -106,7 +130,10 @@ class Pool:
             raise PoolError(f"n={n}: a pool needs at least one rank")
         if backend not in (None, "gloo", "nccl"):
             raise PoolError(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
-        self.launcher: LauncherSpec = resolve_launcher(launcher, controller_ip)
+        self.launcher: LauncherSpec = resolve_launcher(
+            launcher, controller_ip, hosts, tuple(launcher_options), remote_python)
+        if n is None and self.launcher.hosts:
+            n = sum(self.launcher.hosts.values())
         self.requested_n = n
         self.requested_backend = backend
         self.collective_timeout_s = collective_timeout_s
@@ -117,7 +144,9 @@ class Pool:
         self.engine_ids: list[int] = []  # index = rank
         self.ranks_info: list[dict[str, Any]] = []
         self.gpus = 0
+        self.hosts: list[str] = []  # per rank
         self._engine_sets: list[str] = []
+        self.progress = ""  # what a start is waiting for, e.g. a pending Slurm job
         self.needs_reset = False  # set after a failed cell: re-create the group before the next
         self._loop = LoopThread()
         self.state = PoolStateFile(publish_state)
@@ -154,12 +183,16 @@ class Pool:
         t0 = time.perf_counter()
         self.gpus = 0 if self.requested_backend == "gloo" else _visible_gpu_count()
         n = self.requested_n or (self.gpus if self.gpus else 2)
-        if self.requested_backend == "nccl" and not self.gpus:
+        if self.requested_backend == "nccl" and not self.gpus and not self.launcher.remote:
             raise PoolError("backend='nccl' needs GPUs but none is visible; use backend='gloo'")
         self.state.update("starting", error=None, world_size=n, ranks=[],
                           launcher=self.launcher.engines, backend=self.requested_backend or "")
         async with self._publishing():
-            await self._start_cluster(n)
+            try:
+                await self._start_cluster(n)
+            except BaseException:
+                await self._discard_cluster()  # nothing of a failed start is left running
+                raise
         log.info("pool of %d ranks started in %.1f s", n, time.perf_counter() - t0)
         return self
 
@@ -168,17 +201,28 @@ class Pool:
         # The hub admits an engine only after its first heartbeat; ipyparallel's 3 s period
         # made every start and restart wait that long.
         kwargs["controller_args"] = [HEARTBEAT_ARG, *kwargs.get("controller_args", [])]
+        config = cluster_config(self.launcher, n)
+        if "config" in kwargs:
+            config.merge(kwargs.pop("config"))
         self.cluster = ipp.Cluster(
             n=n,
             engines=self.launcher.engines,
             controller_ip=self.launcher.controller_ip,
             log_level=logging.WARNING,
+            config=config,
             **kwargs,
         )
         await self.cluster.start_controller()
-        await self._start_engines(n)  # engines boot while the client connects
+        await self._start_engines(n)  # engines boot (and import torch) while the controller starts
         self.client = await self.cluster.connect_client()
         await self._bootstrap(n, set())
+
+    async def _discard_cluster(self) -> None:
+        cluster, self.cluster, self.client = self.cluster, None, None
+        self.engine_ids, self.ranks_info, self._engine_sets = [], [], []
+        if cluster is not None:
+            with _quiet(cluster), contextlib.suppress(Exception):
+                await cluster.stop_cluster()
 
     async def _start_engines(self, n: int) -> None:
         assert self.cluster is not None
@@ -190,45 +234,91 @@ class Pool:
         else:
             self._engine_sets.append(await self.cluster.start_engines(n))
 
+    def slurm_jobs(self) -> list[str]:
+        """Ids of the Slurm jobs holding this pool's engines (none for other launchers)."""
+        if self.cluster is None or self.launcher.engines != "slurm":
+            return []
+        sets = [self.cluster.engines.get(s) for s in self._engine_sets]
+        return [str(s.job_id) for s in sets if s is not None and getattr(s, "job_id", "")]
+
     async def _wait_for_new_engines(self, n: int, old: set[int]) -> list[int]:
         assert self.client is not None
         deadline = time.monotonic() + self.start_timeout_s
+        next_check, jobs = 0.0, []
         while True:
             new = sorted(set(self.client.ids) - old)
             if len(new) >= n:
+                self.progress = ""
                 return new[:n]
-            if time.monotonic() > deadline:
-                raise PoolError(
-                    f"only {len(new)} of {n} engines registered within {self.start_timeout_s} s;"
-                    f" see the engine logs in {self.cluster.profile_dir}/log"  # type: ignore
-                )
+            now = time.monotonic()
+            if now >= next_check and self.slurm_jobs():
+                jobs = await asyncio.to_thread(lambda: [job_state(j) for j in self.slurm_jobs()])
+                self._note_jobs(jobs)
+                next_check = now + 1.0
+            if now > deadline:
+                raise PoolError(self._start_timeout_message(len(new), n, jobs))
             await asyncio.sleep(0.05)
 
+    def _note_jobs(self, jobs: list[JobState]) -> None:
+        """Show a pending job with Slurm's reason; a job that ended cannot start engines."""
+        ended = [j for j in jobs if j.ended]
+        if ended:
+            raise PoolError(f"{ended[0].describe()} before its engines registered; see the "
+                            f"engine log in {self.cluster.profile_dir}/log")  # type: ignore
+        note = "; ".join(j.describe() for j in jobs if j.pending)
+        if note != self.progress:
+            self.progress = note
+            if note:
+                self.state.update("starting", error=note)
+
+    def _start_timeout_message(self, got: int, n: int, jobs: list[JobState]) -> str:
+        pending = [j for j in jobs if j.pending]
+        if pending:
+            return (f"{pending[0].describe()} after the start timeout of "
+                    f"{self.start_timeout_s:g} s; the job was cancelled. Wait longer with "
+                    "--start-timeout S (Pool(start_timeout_s=...)) or ask for resources the "
+                    "cluster has free")
+        return (f"only {got} of {n} engines registered within {self.start_timeout_s:g} s;"
+                f" see the engine logs in {self.cluster.profile_dir}/log")  # type: ignore
+
     async def _bootstrap(self, n: int, old: set[int]) -> None:
-        """Assign ranks to the new engines and create the process group on all of them."""
+        """Assign ranks to the new engines (grouped by host) and create the process group."""
         assert self.client is not None
         ids = await self._wait_for_new_engines(n, old)
         idents = await asyncio.gather(
-            *(asyncio.wrap_future(self.client[e].apply_async(_engine_identity)) for e in ids)
+            *(asyncio.wrap_future(self.client[e].apply_async(engine_calls.identify)) for e in ids)
         )
+        check_versions(list(idents), _notebook_versions())
         await asyncio.gather(*(asyncio.wrap_future(self.client[e].apply_async(
             engine_calls.set_environment, {POOL_ENV: self.pool_id})) for e in ids))
-        order = sorted(range(n), key=lambda i: (idents[i]["host"], idents[i]["gpu"], ids[i]))
-        self.engine_ids = [ids[i] for i in order]
-        hosts = [idents[i]["host"] for i in order]
-        local_ranks = [hosts[:r].count(h) for r, h in enumerate(hosts)]
-        local_sizes = [hosts.count(h) for h in hosts]
-        self.ranks_info = await self._init_group(local_ranks, local_sizes)
+        layout = assign_ranks(list(idents), ids)
+        self.engine_ids = [ids[i] for i in layout.order]
+        self.hosts = layout.hosts
+        mpi_ranks = [idents[i]["launcher_rank"] for i in layout.order
+                     if idents[i]["launcher"] == "mpi"]
+        self.ranks_info = await self._init_group(layout.local_ranks, layout.local_sizes,
+                                                 mpi_ranks)
+
+    async def _rendezvous(self, mpi_ranks: list[int]) -> tuple[str, int]:
+        """Rank 0's address and a free port: loopback when every rank is on one host. An MPI
+        pool takes it from MPI: every engine joins a broadcast from rank 0's MPI rank."""
+        assert self.client is not None
+        local = len(set(self.hosts)) <= 1
+        if len(mpi_ranks) == len(self.engine_ids):
+            views = [self.client[e] for e in self.engine_ids]
+            answers = await asyncio.gather(*(asyncio.wrap_future(
+                v.apply_async(engine_calls.mpi_rank_address, mpi_ranks[0], local))
+                for v in views))
+            return tuple(answers[0])  # type: ignore[return-value]
+        return tuple(await asyncio.wrap_future(  # type: ignore[return-value]
+            self.client[self.engine_ids[0]].apply_async(engine_calls.rank_address, local)))
 
     async def _init_group(
-        self, local_ranks: list[int], local_sizes: list[int]
+        self, local_ranks: list[int], local_sizes: list[int], mpi_ranks: list[int]
     ) -> list[dict[str, Any]]:
         assert self.client is not None
         n = len(self.engine_ids)
-        local = self.launcher.engines == "local"
-        addr, port = await asyncio.wrap_future(
-            self.client[self.engine_ids[0]].apply_async(engine_calls.rank_address, local)
-        )
+        addr, port = await self._rendezvous(mpi_ranks)
         backend = self.requested_backend
         futures = [
             self.client[eid].apply_async(
@@ -254,7 +344,7 @@ class Pool:
         assert self.client is not None
         _, port = await asyncio.wrap_future(
             self.client[self.engine_ids[0]].apply_async(
-                engine_calls.rank_address, self.launcher.engines == "local"
+                engine_calls.rank_address, len(set(self.hosts)) <= 1
             )
         )
         futures = [
@@ -341,14 +431,25 @@ class Pool:
             self.state.update("stopped", ranks=[], world_size=0, cell=None)
 
     # ---- sync twins -------------------------------------------------------------------
-    def start(self) -> Pool:
-        return self._loop.run(self.start_async())
+    def start(self, progress: Callable[[str], None] | None = None) -> Pool:
+        """Start and wait; ``progress`` (called in this thread) receives what the start is
+        waiting for whenever that changes, e.g. "Slurm job 12 pending (Resources)"."""
+        return self._loop.run(self.start_async(), on_wait=self._progress_reporter(progress))
 
     def stop(self) -> None:
         self._loop.run(self.stop_async())
 
-    def restart(self) -> Pool:
-        return self._loop.run(self.restart_async())
+    def restart(self, progress: Callable[[str], None] | None = None) -> Pool:
+        return self._loop.run(self.restart_async(), on_wait=self._progress_reporter(progress))
+
+    def _progress_reporter(self, progress: Callable[[str], None] | None) -> Callable[[], None]:
+        shown = [""]
+
+        def report() -> None:
+            if progress is not None and self.progress and self.progress != shown[0]:
+                shown[0] = self.progress
+                progress(self.progress)
+        return report
 
     def reset_process_group(self) -> None:
         self._loop.run(self.reset_process_group_async())
@@ -383,6 +484,24 @@ class Pool:
                 return None
             time.sleep(0.05)
 
+    def death_reason(self, rank: int, wait_s: float = 2.0) -> str:
+        """How a dead rank's process ended, as far as its launcher can tell: the exit signal
+        or status (engines on this host), the Slurm job's state (say, CANCELLED), else
+        'exit status unknown'."""
+        deadline = time.monotonic() + wait_s
+        while self.slurm_jobs():
+            jobs = [job_state(j) for j in self.slurm_jobs()]
+            over = [j for j in jobs if j.state != "RUNNING"]
+            if over:
+                return over[0].describe()
+            if time.monotonic() > deadline:
+                return "exit status unknown; its Slurm job is still running"
+            time.sleep(0.1)
+        return describe_exit(self.exit_code_of(rank, wait_s))
+
+    def host_of(self, rank: int) -> str:
+        return self.hosts[rank] if rank < len(self.hosts) else ""
+
     def status(self, timeout_s: float = 5.0) -> list[RankStatus]:
         """Per rank: host, pid, device, backend, memory in use, and idle, busy or dead."""
         self._require_started()
@@ -409,7 +528,7 @@ class Pool:
                 RankStatus(
                     rank=r, engine_id=eid, host=info["host"], pid=info["pid"],
                     device=info["device"], backend=info["backend"], state=state,
-                    memory=info.get("memory", {}),
+                    memory=info.get("memory", {}), local_rank=info.get("local_rank", 0),
                 )
             )
         self.publish_ranks(busy=frozenset(r.rank for r in rows if r.state == "busy"),

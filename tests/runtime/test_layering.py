@@ -23,6 +23,7 @@ ROOT = Path(kernels_runtime.__file__).parent
 LAYERS: list[tuple[str, ...]] = [
     ("telemetry",),
     ("comm",),
+    ("launcher_env",),
     ("mesh",),
     ("precision", "data", "session", "launch"),
     ("policies",),

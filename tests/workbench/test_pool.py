@@ -69,7 +69,7 @@ def test_async_twin_starts_and_stops():
 def test_remote_launchers_require_explicit_controller_address(launcher):
     with pytest.raises(PoolError, match="controller_ip"):
         Pool(launcher=launcher)
-    spec = resolve_launcher(launcher, "10.1.2.3")
+    spec = resolve_launcher(launcher, "10.1.2.3", hosts="n1:2" if launcher == "ssh" else None)
     assert spec.controller_ip == "10.1.2.3" and spec.remote
 
 

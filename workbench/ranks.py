@@ -1,0 +1,90 @@
+"""Which engine becomes which rank, and whether the hosts can work together at all.
+
+Why it is the pool's job: ipyparallel's engine ids change on every restart and say nothing
+about hosts. Ranks are assigned so that the ranks of one host are adjacent (hosts in the order
+of the launcher's lowest rank on them, then by name; inside a host by the launcher's rank,
+device and engine id): tensor-parallel peers are adjacent ranks (the innermost mesh axis), so
+with tp dividing the ranks per host their groups never cross the network. ``local_rank`` is a
+rank's index among its host's ranks; it picks the host's device.
+
+A pool whose hosts run different torch or workbench versions would fail later in ways that are
+hard to read (unpickling errors, mismatched collectives), so it is refused at start, naming
+which host runs what.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from workbench.errors import PoolError
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """``order[r]``: index (into the identities) of the engine that becomes rank r."""
+
+    order: list[int]
+    hosts: list[str]  # per rank
+    local_ranks: list[int]
+    local_sizes: list[int]
+
+    def ranks_of(self, host: str) -> list[int]:
+        return [r for r, h in enumerate(self.hosts) if h == host]
+
+
+def assign_ranks(idents: list[dict[str, Any]], engine_ids: list[int]) -> RankLayout:
+    """Order engines by host, then launcher rank, device and engine id."""
+    def launcher_rank(i: int) -> int:
+        value = idents[i].get("launcher_rank")
+        return -1 if value is None else value
+
+    first: dict[str, int] = {}
+    for i, ident in enumerate(idents):
+        host = ident["host"]
+        first[host] = min(first.get(host, launcher_rank(i)), launcher_rank(i))
+    order = sorted(range(len(idents)), key=lambda i: (
+        first[idents[i]["host"]], idents[i]["host"], launcher_rank(i), idents[i].get("gpu", ""),
+        engine_ids[i]))
+    hosts = [idents[i]["host"] for i in order]
+    local_ranks = [hosts[:r].count(h) for r, h in enumerate(hosts)]
+    local_sizes = [hosts.count(h) for h in hosts]
+    return RankLayout(order, hosts, local_ranks, local_sizes)
+
+
+def check_versions(idents: list[dict[str, Any]], notebook: dict[str, str]) -> None:
+    """Refuse engines whose torch or workbench version differs from another's or the
+    notebook's (``notebook``: package -> version; a package it lacks is not compared)."""
+    problems = []
+    for package in ("torch", "workbench"):
+        seen: dict[str, set[str]] = {}
+        for ident in idents:
+            seen.setdefault(ident.get(package, "missing"), set()).add(ident["host"])
+        if package in notebook:
+            seen.setdefault(notebook[package], set()).add("the notebook")
+        if len(seen) > 1:
+            where = "; ".join(f"{version} on {', '.join(sorted(hosts))}"
+                              for version, hosts in sorted(seen.items()))
+            problems.append(f"{package}: {where}")
+    if problems:
+        raise PoolError(
+            "the pool's hosts run different versions (" + " | ".join(problems) + "). Install "
+            "the same torch and colossal-workbench on every host (e.g. one shared virtualenv "
+            "or the same pinned requirements), then start again."
+        )
+
+
+def tp_groups_within_hosts(hosts: list[str], tp: int) -> str | None:
+    """None when every tensor-parallel group (``tp`` adjacent ranks) is inside one host;
+    otherwise why not and what would work."""
+    if tp <= 1 or len(set(hosts)) <= 1:
+        return None
+    for start in range(0, len(hosts), tp):
+        group = hosts[start:start + tp]
+        if len(set(group)) > 1:
+            per_host = sorted({hosts.count(h) for h in hosts})
+            return (f"tp={tp} would put ranks {start}..{start + len(group) - 1} on hosts "
+                    f"{', '.join(sorted(set(group)))} into one tensor-parallel group, whose "
+                    "collectives then cross the network at every layer; choose tp dividing "
+                    f"the ranks per host ({', '.join(map(str, per_host))})")
+    return None

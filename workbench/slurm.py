@@ -1,0 +1,62 @@
+"""What Slurm says about the pool's engine job: pending (and why), running, or ended.
+
+Why: ipyparallel's Slurm launcher submits the engines with ``sbatch`` and then knows nothing
+more (its ``poll`` is not implemented). A job can wait in the queue for minutes, or be
+cancelled under a running cell; the pool asks ``squeue`` (and ``scontrol`` once the job left
+the queue) so that the notebook shows "pending (Resources)" instead of a silent wait, gives up
+with Slurm's reason at the start timeout, and reports a cancelled job like dead ranks.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+
+ENDED = ("CANCELLED", "COMPLETED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+         "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
+@dataclass(frozen=True)
+class JobState:
+    job_id: str
+    state: str  # PENDING, RUNNING, CANCELLED, ... or UNKNOWN
+    reason: str = ""
+
+    @property
+    def pending(self) -> bool:
+        return self.state == "PENDING"
+
+    @property
+    def ended(self) -> bool:
+        return self.state.split()[0] in ENDED
+
+    def describe(self) -> str:
+        """'Slurm job 12 pending (Resources)', 'Slurm job 12 CANCELLED', ..."""
+        if self.pending:
+            return f"Slurm job {self.job_id} pending ({self.reason or 'no reason given'})"
+        return f"Slurm job {self.job_id} {self.state}"
+
+
+def _run(argv: list[str]) -> str:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout if done.returncode == 0 else ""
+
+
+def job_state(job_id: str) -> JobState:
+    """The job's state and reason from ``squeue``, or from ``scontrol`` after it left the
+    queue (Slurm keeps ended jobs there for MinJobAge); UNKNOWN when neither knows it."""
+    line = _run(["squeue", "-h", "-j", str(job_id), "-o", "%T|%r"]).strip()
+    if line:
+        state, _, reason = line.partition("|")
+        return JobState(str(job_id), state, "" if reason == "None" else reason)
+    fields = dict(
+        item.split("=", 1)
+        for item in _run(["scontrol", "-o", "show", "job", str(job_id)]).split()
+        if "=" in item
+    )
+    state = fields.get("JobState", "UNKNOWN")
+    reason = fields.get("Reason", "")
+    return JobState(str(job_id), state, "" if reason == "None" else reason)
