@@ -42,7 +42,11 @@ from workbench.ranks import assign_ranks, check_versions
 from workbench.slurm import JobState, job_state
 
 log = logging.getLogger("workbench.pool")
-HEARTBEAT_ARG = "--HeartMonitor.period=500"
+# The hub admits an engine only after its first heartbeat (ipyparallel's 3 s period made every
+# start wait that long), and declares an engine dead after this many missed beats: an engine
+# whose whole process tree vanished (a cancelled Slurm job, a lost host) has no nanny left to
+# say so, and 6 x 0.5 s bounds how long a cell waits for it.
+HEARTBEAT_ARGS = ["--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=6"]
 
 
 @dataclass
@@ -198,9 +202,7 @@ class Pool:
 
     async def _start_cluster(self, n: int) -> None:
         kwargs = dict(self.cluster_kwargs)
-        # The hub admits an engine only after its first heartbeat; ipyparallel's 3 s period
-        # made every start and restart wait that long.
-        kwargs["controller_args"] = [HEARTBEAT_ARG, *kwargs.get("controller_args", [])]
+        kwargs["controller_args"] = [*HEARTBEAT_ARGS, *kwargs.get("controller_args", [])]
         config = cluster_config(self.launcher, n)
         if "config" in kwargs:
             config.merge(kwargs.pop("config"))

@@ -33,7 +33,8 @@ class JobState:
     def describe(self) -> str:
         """'Slurm job 12 pending (Resources)', 'Slurm job 12 CANCELLED', ..."""
         if self.pending:
-            return f"Slurm job {self.job_id} pending ({self.reason or 'no reason given'})"
+            why = f" ({self.reason})" if self.reason else ""
+            return f"Slurm job {self.job_id} pending{why}"
         return f"Slurm job {self.job_id} {self.state}"
 
 
