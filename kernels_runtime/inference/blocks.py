@@ -13,6 +13,12 @@ inside a shared block: then the block is copied first (copy on write). A block w
 finishes stays in the index while it sits in the free list, the least recently freed reused
 first, so a later request with the same system prompt still finds it.
 
+Contiguity: attention reads a sequence's keys in place when its blocks are consecutive
+(``kv_cache.py``), so a sequence's first block opens a run of free blocks long enough for what it
+may still grow to, which it claims; its later blocks come from the run. A claim reserves
+nothing: blocks are taken only when needed, and under pressure anyone takes a claimed block, so
+claims change where blocks come from, never how many fit.
+
 The pool only counts; the tensors live in ``kv_cache.py``, and the scheduler turns what the pool
 decides into cache operations (copies, swaps) that every rank applies to its own layers.
 """
@@ -35,6 +41,8 @@ class BlockPool:
         self.index: dict[int, int] = {}  # prefix hash -> block
         self.keys: dict[int, tuple[int, PrefixKey]] = {}  # block -> (hash, full key)
         self.hits = 0  # blocks taken from the index instead of computed (cumulative)
+        self.claims: dict[int, int] = {}  # free block -> the owner whose run it continues
+        self.claimed: dict[int, list[int]] = {}  # owner -> its claimed blocks
 
     # ---- counts ---------------------------------------------------------------------------
     @property
@@ -56,13 +64,54 @@ class BlockPool:
         return len(self.keys)
 
     # ---- allocation -----------------------------------------------------------------------
-    def allocate(self) -> int:
-        """A free block with one reference; the least recently freed, so cached prefixes
+    def allocate(self, owner: int = -1, after: int | None = None, expect: int = 1) -> int:
+        """A free block with one reference for ``owner``: the one right after ``after`` (its
+        previous block) when free and not claimed by another; else the start of a free run of
+        ``expect`` blocks, which it claims; else the least recently freed, so cached prefixes
         survive as long as possible."""
         if not self.free:
             raise RuntimeError("no free KV block (the scheduler checks before allocating)")
-        block, _ = self.free.popitem(last=False)
+        if after is not None:
+            nxt = after + 1
+            if nxt in self.free and self.claims.get(nxt, owner) == owner:
+                return self._take(nxt)
+        start, length = self._free_run(expect)
+        if start is None:
+            return self._take(next(iter(self.free)))
+        self.unclaim(owner)
+        run = list(range(start + 1, start + min(length, expect)))
+        self.claims.update(dict.fromkeys(run, owner))
+        self.claimed[owner] = run
+        return self._take(start)
+
+    def unclaim(self, owner: int) -> None:
+        for block in self.claimed.pop(owner, ()):
+            if self.claims.get(block) == owner:
+                del self.claims[block]
+
+    def _free_run(self, want: int) -> tuple[int | None, int]:
+        """(first block, length) of the first run of ``want`` blocks that are free, unclaimed
+        and hold no cached prefix; of the longest such run if none is that long."""
+        best, best_len, start, length = None, 0, 0, 0
+        for block in range(self.num_blocks):
+            if block in self.free and block not in self.claims and block not in self.keys:
+                if length == 0:
+                    start = block
+                length += 1
+                if length >= want:
+                    return start, length
+                if length > best_len:
+                    best, best_len = start, length
+            else:
+                length = 0
+        return best, best_len
+
+    def _take(self, block: int) -> int:
+        del self.free[block]
         self._forget(block)
+        owner = self.claims.pop(block, None)
+        if owner is not None:
+            self.claimed[owner].remove(block)
         self.refs[block] = 1
         return block
 

@@ -130,7 +130,9 @@ class Engine:
         self._ids = itertools.count()
         self.totals = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "requests": 0,
                        "finished": 0, "errors": 0, "aborted": 0}
-        self.kv_tokens_sum = self.kv_slots_sum = 0  # utilisation, summed over steps
+        # summed over steps: tokens in the cache, slots of the blocks allocated for them, and
+        # what contiguous allocation would reserve (prompt + max_new_tokens, or the context)
+        self.kv_trace = dict.fromkeys(("tokens", "slots", "reserved", "context"), 0)
 
     def _budget(self, kv_mem: int | str | None, shapes: list, dtype: torch.dtype,
                 max_num_seqs: int) -> int:
@@ -207,11 +209,16 @@ class Engine:
         for seq, token, row in zip(batch.sampled, tokens, logits or itertools.repeat(None)):
             changed.append(self._append(seq, token, row, now))
         self.totals["steps"] += 1
-        held = sum(s.computed for s in self.scheduler.running)
-        self.kv_tokens_sum += held
-        self.kv_slots_sum += self.pool.num_used * self.block_size
+        self._trace_kv()
         self.ctx.telemetry.tick(tokens=len(tokens))
         return changed
+
+    def _trace_kv(self) -> None:
+        running, trace = self.scheduler.running, self.kv_trace
+        trace["tokens"] += sum(s.computed for s in running)
+        trace["slots"] += self.pool.num_used * self.block_size
+        trace["reserved"] += sum(s.total_len_bound() for s in running)
+        trace["context"] += len(running) * self.max_model_len
 
     def _apply_cache_ops(self, step: ScheduledStep) -> None:
         for seq, blocks in step.swap_out:
@@ -319,8 +326,8 @@ class Engine:
                 "block_size": self.block_size, "kv_tokens": held,
                 "kv_bytes": self.cache.nbytes, "preemptions": s.preemptions,
                 "prefix_hit_blocks": pool.hits,
-                "kv_utilisation": self.kv_tokens_sum / self.kv_slots_sum
-                if self.kv_slots_sum else None, "weights": self._weight_tiers(),
+                "kv_utilisation": self.kv_trace["tokens"] / self.kv_trace["slots"]
+                if self.kv_trace["slots"] else None, "weights": self._weight_tiers(),
                 **self.totals}
 
     def _weight_tiers(self) -> dict[str, int] | None:

@@ -99,7 +99,9 @@ class Scheduler:
             if self.pool.num_free < saved + self._new_blocks(seq, n, saved):
                 break
             self.swapped.popleft()
-            seq.blocks = [self.pool.allocate() for _ in range(saved)]
+            seq.blocks = []
+            for i in range(saved):
+                seq.blocks.append(self._allocate(seq, i))
             step.swap_in.append((seq, list(seq.blocks)))
             seq.swapped_out_blocks = []
             self._reserve(seq, n, step)
@@ -152,12 +154,20 @@ class Scheduler:
         if self.pool.num_free < new + shared:
             return False
         if shared:
-            old, fresh = seq.blocks[first], self.pool.allocate()
+            old, fresh = seq.blocks[first], self._allocate(seq, first)
             step.copies.append((old, fresh))
             self.pool.release(old)
             seq.blocks[first] = fresh
-        seq.blocks += [self.pool.allocate() for _ in range(new)]
+        for _ in range(new):
+            seq.blocks.append(self._allocate(seq, len(seq.blocks)))
         return True
+
+    def _allocate(self, seq: Sequence, index: int) -> int:
+        """A block for logical block ``index`` of ``seq``, after its previous one if it can
+        be (consecutive blocks are read in place; ``blocks.py``)."""
+        after = seq.blocks[index - 1] if index > 0 else None
+        expect = self.blocks_needed(seq.total_len_bound()) - index
+        return self.pool.allocate(id(seq), after, max(1, expect))
 
     def _take_prefix(self, seq: Sequence) -> None:
         """Full blocks of ``seq``'s tokens already in the cache become its first blocks. At
@@ -186,6 +196,7 @@ class Scheduler:
                                                  seq.tokens[i * size:(i + 1) * size]))
 
     def _drop_blocks(self, seq: Sequence) -> None:
+        self.pool.unclaim(id(seq))
         self.pool.release_all(seq.blocks)
         seq.blocks, seq.hashes, seq.computed = [], [], 0
 
@@ -206,6 +217,7 @@ class Scheduler:
         if self.preemption == "swap" and seq.computed > 0:
             step.swap_out.append((seq, list(seq.blocks)))
             seq.swapped_out_blocks = list(seq.blocks)
+            self.pool.unclaim(id(seq))
             self.pool.release_all(seq.blocks)
             seq.blocks = []
             seq.status = SWAPPED
