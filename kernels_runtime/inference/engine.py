@@ -210,7 +210,8 @@ class Engine:
             changed.append(self._append(seq, token, row, now))
         self.totals["steps"] += 1
         self._trace_kv()
-        self.ctx.telemetry.tick(tokens=len(tokens))
+        self.ctx.telemetry.record_inference(self.stats())
+        self.ctx.telemetry.tick(tokens=len(tokens))  # tokens/s: generated tokens
         return changed
 
     def _trace_kv(self) -> None:

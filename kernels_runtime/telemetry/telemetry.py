@@ -21,6 +21,12 @@ published under ``TELEMETRY_KEY``::
               moved: {"device->host": ...},     bytes moved between tiers, cumulative
               evictions, wait_seconds, steps,   cumulative; per step: differences
               last_step: {moved, evictions, wait_seconds}}   or None: no offloading model
+    inference: {steps, requests, finished,      an inference engine's figures (``Engine.stats``):
+                generated_tokens, prompt_tokens, cumulative counts;
+                running, waiting, swapped,      the queue now;
+                blocks_total, blocks_used,      its paged KV cache now (blocks of block_size
+                blocks_free, blocks_shared,     tokens; shared: held by several requests)
+                block_size, preemptions, ...}   or None: no engine stepped in this cell
 
 Group names are the mesh axes (dp, pp, sp, tp) or "world". Tokens and samples are this rank's
 own (its data-parallel shard), so FLOP/s is this rank's achieved model FLOP/s.
@@ -100,6 +106,7 @@ class Telemetry:
         self.last_published: dict[str, Any] | None = None
         self.pipeline: dict[str, Any] | None = None  # the last pipeline step's, compacted
         self.offload: dict[str, Any] | None = None  # placement figures (``record_offload``)
+        self.inference: dict[str, Any] | None = None  # an engine's figures (``record_inference``)
         self._totals = dict.fromkeys(("steps", "tokens", "samples", "flops"), 0)
         self._seconds = dict.fromkeys(("step", "compute", "comm", "waiting"), 0.0)
         self._models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -171,10 +178,12 @@ class Telemetry:
     def pause(self) -> None:
         """Time from now until the next step begins belongs to no step (idle between cells,
         evaluation); it also starts a new throughput window and forgets the pipeline
-        timeline (a cell without a pipeline shows none)."""
+        timeline and the inference figures (a cell without a pipeline or an engine shows
+        none)."""
         self.splitter.pause()
         self.recent.clear()
         self.pipeline = None
+        self.inference = None
 
     def record_offload(self, tiers: dict[str, int], moved: dict[str, int], evictions: int,
                        wait_seconds: float) -> None:
@@ -193,6 +202,11 @@ class Telemetry:
                         "last_step": {"moved": dict(moved), "evictions": evictions,
                                       "wait_seconds": wait_seconds}}
         self.disk_spill_bytes = int(tiers.get("disk", 0))
+
+    def record_inference(self, figures: dict[str, Any]) -> None:
+        """An inference engine's figures after a step (cumulative counts, the queue and KV
+        blocks now); published with the next snapshot."""
+        self.inference = dict(figures)
 
     def record_disk_spill(self, nbytes: int) -> None:
         """Offload code reports bytes written to (positive) or freed from (negative) disk."""
@@ -240,7 +254,7 @@ class Telemetry:
                            "flops_per_s": rate("flops"), "steps": len(window)},
             "memory": memory, "comm": comm, "comm_by_axis": by_axis, "p2p_by_axis": p2p,
             "recent": [asdict(r) for r in window], "pipeline": self.pipeline,
-            "offload": self.offload,
+            "offload": self.offload, "inference": self.inference,
             "publish_errors": self.publisher.errors,
         }
 
@@ -265,7 +279,8 @@ class Telemetry:
     def _state(self) -> tuple:
         calls = self.comm_stats.totals()["calls"] if self.comm_stats is not None else 0
         offloaded = self.offload["steps"] if self.offload else 0
-        return (self._totals["steps"], calls, self.disk_spill_bytes, offloaded)
+        inferred = self.inference["steps"] if self.inference else 0
+        return (self._totals["steps"], calls, self.disk_spill_bytes, offloaded, inferred)
 
     def _counters(self) -> dict[tuple[str, str], tuple[float, float]]:
         """(op, group) -> cumulative (bytes, blocked seconds), what the step split reads."""
