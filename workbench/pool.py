@@ -47,6 +47,10 @@ log = logging.getLogger("workbench.pool")
 # whose whole process tree vanished (a cancelled Slurm job, a lost host) has no nanny left to
 # say so, and 6 x 0.5 s bounds how long a cell waits for it.
 HEARTBEAT_ARGS = ["--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=6"]
+# One broadcast scheduler instead of a tree: a pool is a handful of ranks, and the tree's inner
+# hops bind 127.0.0.1 whatever the controller's address, while a pool bound to the address the
+# user gave must listen on that address only.
+CONTROLLER_ARGS = [*HEARTBEAT_ARGS, "--IPController.broadcast_scheduler_depth=0"]
 
 
 @dataclass
@@ -202,7 +206,7 @@ class Pool:
 
     async def _start_cluster(self, n: int) -> None:
         kwargs = dict(self.cluster_kwargs)
-        kwargs["controller_args"] = [*HEARTBEAT_ARGS, *kwargs.get("controller_args", [])]
+        kwargs["controller_args"] = [*CONTROLLER_ARGS, *kwargs.get("controller_args", [])]
         config = cluster_config(self.launcher, n)
         if "config" in kwargs:
             config.merge(kwargs.pop("config"))

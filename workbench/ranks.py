@@ -63,7 +63,7 @@ def check_versions(idents: list[dict[str, Any]], notebook: dict[str, str]) -> No
         if package in notebook:
             seen.setdefault(notebook[package], set()).add("the notebook")
         if len(seen) > 1:
-            where = "; ".join(f"{version} on {', '.join(sorted(hosts))}"
+            where = "; ".join(f"{version} on {', '.join(sorted(hosts, key=_notebook_last))}"
                               for version, hosts in sorted(seen.items()))
             problems.append(f"{package}: {where}")
     if problems:
@@ -72,6 +72,10 @@ def check_versions(idents: list[dict[str, Any]], notebook: dict[str, str]) -> No
             "the same torch and colossal-workbench on every host (e.g. one shared virtualenv "
             "or the same pinned requirements), then start again."
         )
+
+
+def _notebook_last(host: str) -> tuple[bool, str]:
+    return host == "the notebook", host
 
 
 def tp_groups_within_hosts(hosts: list[str], tp: int) -> str | None:

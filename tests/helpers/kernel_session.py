@@ -27,10 +27,29 @@ class Reply:
     received_at: float = 0.0  # time.monotonic() when the reply arrived
 
 
+class _PrefixedKernelManager(KernelManager):
+    """Starts the kernel under an argv prefix (e.g. another host's namespace)."""
+
+    prefix: list[str] = []
+
+    def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
+        return [*self.prefix, *super().format_kernel_cmd(extra_arguments)]
+
+
 class KernelSession:
-    def __init__(self) -> None:
-        env = dict(os.environ, IPP_NONINTERACTIVE="1")
-        self.km = KernelManager(kernel_name="python3")
+    """``prefix``: run the kernel through this argv prefix (another test host); it then talks
+    over unix sockets (``ipc`` transport) under ``socket_dir``, which both sides can reach."""
+
+    def __init__(self, prefix: list[str] | None = None, socket_dir: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ, IPP_NONINTERACTIVE="1", **(env or {}))
+        if prefix:
+            self.km = _PrefixedKernelManager(
+                kernel_name="python3", transport="ipc", ip=os.path.join(socket_dir, "kernel"),
+                connection_file=os.path.join(socket_dir, "kernel.json"))
+            self.km.prefix = list(prefix)
+        else:
+            self.km = KernelManager(kernel_name="python3")
         self.km.start_kernel(env=env)
         self.kc = self.km.client()
         self.kc.start_channels()

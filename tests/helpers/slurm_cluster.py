@@ -68,7 +68,7 @@ class SlurmCluster:
 
     def write_config(self) -> None:
         d = self.dir
-        for sub in ("state", "log"):
+        for sub in ("state", "log", *(f"spool-{n.name}" for n in self.nodes)):
             (d / sub).mkdir(parents=True, exist_ok=True)
         ctl = self.controller
         lines = [
@@ -107,9 +107,10 @@ class SlurmCluster:
         return self
 
     def run(self, *argv: str, check: bool = True) -> str:
-        """A Slurm client command against this cluster (sinfo, scontrol, squeue, scancel)."""
-        done = subprocess.run(list(argv), env=dict(os.environ, **self.env()), text=True,
-                              capture_output=True, timeout=30)
+        """A Slurm client command against this cluster (sinfo, scontrol, squeue, scancel),
+        run on the controller's host."""
+        done = subprocess.run([*self.controller.wrap, *argv], text=True, capture_output=True,
+                              env=dict(os.environ, **self.env()), timeout=30)
         if check and done.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed: {done.stderr.strip()}")
         return done.stdout
