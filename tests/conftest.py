@@ -43,3 +43,12 @@ def shell():
     ip.run_line_magic("colossal", "start -n 2 --timeout 5")
     yield ip
     ip.run_line_magic("colossal", "stop")
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory) -> dict[str, str]:
+    """Tiny GPT-2 and LLaMA trained for 200 steps (``helpers/inference.py``): weight files."""
+    from helpers import inference as inf
+
+    folder = tmp_path_factory.mktemp("trained")
+    return {kind: str(inf.train(kind, folder)) for kind in ("gpt2", "llama")}

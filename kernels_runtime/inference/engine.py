@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 from typing import Any
@@ -278,23 +278,37 @@ class Engine:
 
     # ---- whole calls ----------------------------------------------------------------------
     def generate(self, prompts: Seq[Any] | str, params: SamplingParams | Seq[SamplingParams]
-                 | None = None) -> list[RequestOutput]:
+                 | None = None, *,
+                 on_step: Callable[[list[RequestOutput]], None] | None = None
+                 ) -> list[RequestOutput]:
         """Every prompt's output, in order, on every rank (prompts are dealt over the dp
-        replicas). ``params`` is one for all or one per prompt."""
-        outputs = {o.request_id: o for o in self.stream(prompts, params) if o.finished}
-        mine = [outputs[i] for i in sorted(outputs, key=lambda r: int(r.rsplit("-", 1)[1]))]
+        replicas). ``params`` is one for all or one per prompt; ``on_step`` is called with
+        this replica's outputs that changed, after every step (to stream them elsewhere)."""
+        mine = []
+        for changed in self._steps(prompts, params):
+            mine += [o for o in changed if o.finished]
+            if on_step is not None and changed:
+                on_step(changed)
+        mine.sort(key=_index)
         if self.ctx.dp_size == 1:
             return mine
         gathered: list[list[RequestOutput]] = [[] for _ in range(self.ctx.dp_size)]
         dist.all_gather_object(gathered, mine, group=self.ctx.dp_group)
-        every = [o for part in gathered for o in part]
-        return sorted(every, key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
+        return sorted((o for part in gathered for o in part), key=_index)
 
     def stream(self, prompts: Seq[Any] | str, params: SamplingParams | Seq[SamplingParams]
                | None = None) -> Iterator[RequestOutput]:
         """This replica's outputs as they change, step by step (the same object for a request
         each time: read it, or copy it to keep a snapshot). Request ids end in the prompt's
         index."""
+        for changed in self._steps(prompts, params):
+            yield from changed
+
+    def _steps(self, prompts: Seq[Any] | str,
+               params: SamplingParams | Seq[SamplingParams] | None
+               ) -> Iterator[list[RequestOutput]]:
+        """Add this replica's share of the prompts, then step until they are all finished;
+        each step's changed outputs among them."""
         if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
             prompts = [prompts]
         if not isinstance(params, (list, tuple)):
@@ -304,16 +318,13 @@ class Engine:
                              "one for all or one per prompt")
         call = next(self._ids)
         dp, me = self.ctx.dp_size, self.ctx.dp_rank
-        ids = [self.add_request(p, s, request_id=f"gen{call}-{i}")
-               for i, (p, s) in enumerate(zip(prompts, params)) if i % dp == me]
+        pending = {self.add_request(p, s, request_id=f"gen{call}-{i}")
+                   for i, (p, s) in enumerate(zip(prompts, params)) if i % dp == me}
         self.ctx.telemetry.pause()
-        pending = set(ids)
         while pending:
-            for out in self.step():
-                if out.request_id in pending:
-                    if out.finished:
-                        pending.discard(out.request_id)
-                    yield out
+            changed = [o for o in self.step() if o.request_id in pending]
+            pending -= {o.request_id for o in changed if o.finished}
+            yield changed
 
     # ---- figures --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -347,6 +358,11 @@ def prompt_ids_or_empty(prompt: Any, tokenizer: Any) -> list[int]:
         return [i for i in prompt if isinstance(i, int)]
     except Exception:  # noqa: BLE001 - a rejected request's echo is best effort
         return []
+
+
+def _index(out: RequestOutput) -> int:
+    """The prompt's index in its ``generate`` call (request ids end in it)."""
+    return int(out.request_id.rsplit("-", 1)[1])
 
 
 def _eos_ids(model: nn.Module) -> set[int]:
