@@ -21,25 +21,23 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import importlib.metadata
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import ipyparallel as ipp
 
-import workbench
 from kernels_runtime.memory.spill import POOL_ENV, remove_stale, spill_root
 from workbench import engine_calls
 from workbench._async import LoopThread
-from workbench.errors import PoolError, describe_exit
+from workbench.errors import PoolError
 from workbench.lab.state import PoolStateFile, rank_row
 from workbench.launchers import LauncherSpec, cluster_config, resolve_launcher
-from workbench.ranks import assign_ranks, check_versions
-from workbench.slurm import JobState, job_state
+from workbench.pool_status import RankQueries
+from workbench.pool_status import RankStatus as RankStatus  # re-exported: workbench.RankStatus
+from workbench.ranks import assign_ranks, check_versions, notebook_versions, visible_gpu_count
+from workbench.slurm import job_state, timeout_message, watch_message
 
 log = logging.getLogger("workbench.pool")
 # The hub admits an engine only after its first heartbeat (ipyparallel's 3 s period made every
@@ -53,51 +51,7 @@ HEARTBEAT_ARGS = ["--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_
 CONTROLLER_ARGS = [*HEARTBEAT_ARGS, "--IPController.broadcast_scheduler_depth=0"]
 
 
-@dataclass
-class RankStatus:
-    """One row of ``Pool.status()``."""
-
-    rank: int
-    engine_id: int
-    host: str
-    pid: int
-    device: str
-    backend: str
-    state: str  # "idle" | "busy" | "dead"
-    memory: dict[str, int] = field(default_factory=dict)
-    local_rank: int = 0
-
-
-def _visible_gpu_count() -> int:
-    """GPUs this host's engines would see, read from the NVIDIA driver without importing torch
-    (which costs the notebook over a second at every start); torch decides elsewhere."""
-    nvidia = "/proc/driver/nvidia/gpus"
-    if not os.path.isdir(nvidia) and not os.path.exists("/dev/kfd"):
-        return 0
-    if os.path.isdir(nvidia) and not os.path.exists("/dev/kfd"):
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        present = len(os.listdir(nvidia))
-        if visible is None:
-            return present
-        return min(present, len([d for d in visible.split(",") if d.strip() not in ("", "-1")]))
-    try:  # ROCm and mixed hosts: ask torch
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:  # torch missing or broken driver: CPU ranks still work
-        return 0
-
-
-def _notebook_versions() -> dict[str, str]:
-    """Versions the engines must match (torch read from its metadata: the notebook side never
-    imports torch)."""
-    versions = {"workbench": workbench.__version__}
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        versions["torch"] = importlib.metadata.version("torch")
-    return versions
-
-
-class Pool:
+class Pool(RankQueries):
     """Ranks on ipyparallel engines with torch.distributed initialised on each.
 
     Parameters
@@ -189,7 +143,7 @@ class Pool:
         if self.started:
             return self
         t0 = time.perf_counter()
-        self.gpus = 0 if self.requested_backend == "gloo" else _visible_gpu_count()
+        self.gpus = 0 if self.requested_backend == "gloo" else visible_gpu_count()
         n = self.requested_n or (self.gpus if self.gpus else 2)
         if self.requested_backend == "nccl" and not self.gpus and not self.launcher.remote:
             raise PoolError("backend='nccl' needs GPUs but none is visible; use backend='gloo'")
@@ -240,13 +194,6 @@ class Pool:
         else:
             self._engine_sets.append(await self.cluster.start_engines(n))
 
-    def slurm_jobs(self) -> list[str]:
-        """Ids of the Slurm jobs holding this pool's engines (none for other launchers)."""
-        if self.cluster is None or self.launcher.engines != "slurm":
-            return []
-        sets = [self.cluster.engines.get(s) for s in self._engine_sets]
-        return [str(s.job_id) for s in sets if s is not None and getattr(s, "job_id", "")]
-
     async def _wait_for_new_engines(self, n: int, old: set[int]) -> list[int]:
         assert self.client is not None
         deadline = time.monotonic() + self.start_timeout_s
@@ -259,33 +206,21 @@ class Pool:
             now = time.monotonic()
             if now >= next_check and self.slurm_jobs():
                 jobs = await asyncio.to_thread(lambda: [job_state(j) for j in self.slurm_jobs()])
-                self._note_jobs(jobs)
+                self._note_progress(watch_message(jobs, self._log_dir()))
                 next_check = now + 1.0
             if now > deadline:
-                raise PoolError(self._start_timeout_message(len(new), n, jobs))
+                raise PoolError(timeout_message(len(new), n, self.start_timeout_s, jobs,
+                                                self._log_dir()))
             await asyncio.sleep(0.05)
 
-    def _note_jobs(self, jobs: list[JobState]) -> None:
-        """Show a pending job with Slurm's reason; a job that ended cannot start engines."""
-        ended = [j for j in jobs if j.ended]
-        if ended:
-            raise PoolError(f"{ended[0].describe()} before its engines registered; see the "
-                            f"engine log in {self.cluster.profile_dir}/log")  # type: ignore
-        note = "; ".join(j.describe() for j in jobs if j.pending)
+    def _note_progress(self, note: str) -> None:
         if note != self.progress:
             self.progress = note
             if note:
                 self.state.update("starting", error=note)
 
-    def _start_timeout_message(self, got: int, n: int, jobs: list[JobState]) -> str:
-        pending = [j for j in jobs if j.pending]
-        if pending:
-            return (f"{pending[0].describe()} after the start timeout of "
-                    f"{self.start_timeout_s:g} s; the job was cancelled. Wait longer with "
-                    "--start-timeout S (Pool(start_timeout_s=...)) or ask for resources the "
-                    "cluster has free")
-        return (f"only {got} of {n} engines registered within {self.start_timeout_s:g} s;"
-                f" see the engine logs in {self.cluster.profile_dir}/log")  # type: ignore
+    def _log_dir(self) -> str:
+        return f"{self.cluster.profile_dir}/log" if self.cluster is not None else "the log"
 
     async def _bootstrap(self, n: int, old: set[int]) -> None:
         """Assign ranks to the new engines (grouped by host) and create the process group."""
@@ -294,7 +229,7 @@ class Pool:
         idents = await asyncio.gather(
             *(asyncio.wrap_future(self.client[e].apply_async(engine_calls.identify)) for e in ids)
         )
-        check_versions(list(idents), _notebook_versions())
+        check_versions(list(idents), notebook_versions())
         await asyncio.gather(*(asyncio.wrap_future(self.client[e].apply_async(
             engine_calls.set_environment, {POOL_ENV: self.pool_id})) for e in ids))
         layout = assign_ranks(list(idents), ids)
@@ -467,80 +402,6 @@ class Pool:
         self.stop()
 
     # ---- status -----------------------------------------------------------------------
-    def dead_ranks(self) -> list[int]:
-        """Ranks whose engine has unregistered (died or was stopped)."""
-        if self.client is None:
-            return []
-        alive = set(self.client.ids)
-        return [r for r, e in enumerate(self.engine_ids) if e not in alive]
-
-    def exit_code_of(self, rank: int, wait_s: float = 2.0) -> int | None:
-        """Exit status of a dead rank's process, from the local launcher (None if unknown)."""
-        if self.cluster is None or not self.ranks_info:
-            return None
-        pid = self.ranks_info[rank]["pid"]
-        deadline = time.monotonic() + wait_s
-        while True:
-            for engine_set in self.cluster.engines.values():
-                stopped = getattr(engine_set, "stop_data", {}).get("engines", {})
-                for data in stopped.values():
-                    if data.get("pid") == pid and data.get("exit_code") is not None:
-                        return data["exit_code"]
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.05)
-
-    def death_reason(self, rank: int, wait_s: float = 2.0) -> str:
-        """How a dead rank's process ended, as far as its launcher can tell: the exit signal
-        or status (engines on this host), the Slurm job's state (say, CANCELLED), else
-        'exit status unknown'."""
-        deadline = time.monotonic() + wait_s
-        while self.slurm_jobs():
-            jobs = [job_state(j) for j in self.slurm_jobs()]
-            over = [j for j in jobs if j.state != "RUNNING"]
-            if over:
-                return over[0].describe()
-            if time.monotonic() > deadline:
-                return "exit status unknown; its Slurm job is still running"
-            time.sleep(0.1)
-        return describe_exit(self.exit_code_of(rank, wait_s))
-
-    def host_of(self, rank: int) -> str:
-        return self.hosts[rank] if rank < len(self.hosts) else ""
-
-    def status(self, timeout_s: float = 5.0) -> list[RankStatus]:
-        """Per rank: host, pid, device, backend, memory in use, and idle, busy or dead."""
-        self._require_started()
-        assert self.client is not None
-        dead = set(self.dead_ranks())
-        live = [e for r, e in enumerate(self.engine_ids) if r not in dead]
-        queues = self.client.queue_status(targets=live, verbose=False) if live else {}
-        rows = []
-        for r, eid in enumerate(self.engine_ids):
-            info = dict(self.ranks_info[r])
-            if r in dead:
-                state = "dead"
-            else:
-                q = queues.get(eid, {})
-                state = "busy" if q.get("queue", 0) + q.get("tasks", 0) > 0 else "idle"
-            if state == "idle":
-                ar = self.client[eid].apply_async(engine_calls.describe_rank)
-                if ar.wait(timeout_s):
-                    info = ar.get()
-                    self.ranks_info[r] = info
-            elif state == "busy":
-                info["memory"] = _local_memory(info) or info.get("memory", {})
-            rows.append(
-                RankStatus(
-                    rank=r, engine_id=eid, host=info["host"], pid=info["pid"],
-                    device=info["device"], backend=info["backend"], state=state,
-                    memory=info.get("memory", {}), local_rank=info.get("local_rank", 0),
-                )
-            )
-        self.publish_ranks(busy=frozenset(r.rank for r in rows if r.state == "busy"),
-                           dead=frozenset(dead))
-        return rows
-
     def _require_started(self) -> None:
         if not self.started:
             raise PoolError(
@@ -566,19 +427,3 @@ def _quiet(cluster: ipp.Cluster) -> Iterator[None]:
         yield
     finally:
         cluster.log.setLevel(level)
-
-
-def _local_memory(info: dict[str, Any]) -> dict[str, int] | None:
-    """Host RSS of a rank on this machine, readable while the rank is busy."""
-    import socket
-
-    import psutil
-
-    if info.get("host") != socket.gethostname():
-        return None
-    try:
-        rss = psutil.Process(info["pid"]).memory_info().rss
-    except psutil.Error:
-        return None
-    return {**info.get("memory", {}), "host_rss": rss}
-

@@ -14,9 +14,13 @@ which host runs what.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
+import os
 from dataclasses import dataclass
 from typing import Any
 
+import workbench
 from workbench.errors import PoolError
 
 
@@ -92,3 +96,32 @@ def tp_groups_within_hosts(hosts: list[str], tp: int) -> str | None:
                     "collectives then cross the network at every layer; choose tp dividing "
                     f"the ranks per host ({', '.join(map(str, per_host))})")
     return None
+
+
+def visible_gpu_count() -> int:
+    """GPUs this host's engines would see, read from the NVIDIA driver without importing torch
+    (which costs the notebook over a second at every start); torch decides elsewhere."""
+    nvidia = "/proc/driver/nvidia/gpus"
+    if not os.path.isdir(nvidia) and not os.path.exists("/dev/kfd"):
+        return 0
+    if os.path.isdir(nvidia) and not os.path.exists("/dev/kfd"):
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        present = len(os.listdir(nvidia))
+        if visible is None:
+            return present
+        return min(present, len([d for d in visible.split(",") if d.strip() not in ("", "-1")]))
+    try:  # ROCm and mixed hosts: ask torch
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # torch missing or broken driver: CPU ranks still work
+        return 0
+
+
+def notebook_versions() -> dict[str, str]:
+    """Versions the engines must match (torch read from its metadata: the notebook side never
+    imports torch)."""
+    versions = {"workbench": workbench.__version__}
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        versions["torch"] = importlib.metadata.version("torch")
+    return versions

@@ -61,3 +61,27 @@ def job_state(job_id: str) -> JobState:
     state = fields.get("JobState", "UNKNOWN")
     reason = fields.get("Reason", "")
     return JobState(str(job_id), state, "" if reason == "None" else reason)
+
+
+def watch_message(jobs: list[JobState], log_dir: str) -> str:
+    """What a start waiting for these jobs shows ("Slurm job 12 pending (Resources)"); a job
+    that ended cannot start engines any more, so that is an error naming its state."""
+    from workbench.errors import PoolError
+
+    ended = [j for j in jobs if j.ended]
+    if ended:
+        raise PoolError(f"{ended[0].describe()} before its engines registered; see the "
+                        f"engine log in {log_dir}")
+    return "; ".join(j.describe() for j in jobs if j.pending)
+
+
+def timeout_message(got: int, n: int, timeout_s: float, jobs: list[JobState],
+                    log_dir: str) -> str:
+    """Why a start gave up: a job still pending (with Slurm's reason), or too few engines."""
+    pending = [j for j in jobs if j.pending]
+    if pending:
+        return (f"{pending[0].describe()} after the start timeout of {timeout_s:g} s; the job "
+                "was cancelled. Wait longer with --start-timeout S (Pool(start_timeout_s=...)) "
+                "or ask for resources the cluster has free")
+    return (f"only {got} of {n} engines registered within {timeout_s:g} s; see the engine "
+            f"logs in {log_dir}")

@@ -1,0 +1,142 @@
+"""What the pool can say about its ranks: dead or alive, why a dead one ended, and a status
+row per rank (host, ``local_rank``, pid, device, backend, memory, idle/busy/dead).
+
+Why apart from ``pool.py``: these are queries, not lifecycle; they read what the launcher
+knows (the local launcher's exit codes, the Slurm job's state) and what the ranks report.
+``RankQueries`` is mixed into ``Pool``, which provides ``client``, ``cluster``,
+``engine_ids``, ``ranks_info``, ``hosts``, ``launcher`` and ``_engine_sets``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from workbench import engine_calls
+from workbench.errors import describe_exit
+from workbench.slurm import job_state
+
+
+@dataclass
+class RankStatus:
+    """One row of ``Pool.status()``."""
+
+    rank: int
+    engine_id: int
+    host: str
+    pid: int
+    device: str
+    backend: str
+    state: str  # "idle" | "busy" | "dead"
+    memory: dict[str, int] = field(default_factory=dict)
+    local_rank: int = 0
+
+
+class RankQueries:
+    """Status queries of a ``Pool`` (see the module doc)."""
+
+    client: Any
+    cluster: Any
+    engine_ids: list[int]
+    ranks_info: list[dict[str, Any]]
+    hosts: list[str]
+    launcher: Any
+    _engine_sets: list[str]
+
+    def slurm_jobs(self) -> list[str]:
+        """Ids of the Slurm jobs holding this pool's engines (none for other launchers)."""
+        if self.cluster is None or self.launcher.engines != "slurm":
+            return []
+        sets = [self.cluster.engines.get(s) for s in self._engine_sets]
+        return [str(s.job_id) for s in sets if s is not None and getattr(s, "job_id", "")]
+
+    def dead_ranks(self) -> list[int]:
+        """Ranks whose engine has unregistered (died or was stopped)."""
+        if self.client is None:
+            return []
+        alive = set(self.client.ids)
+        return [r for r, e in enumerate(self.engine_ids) if e not in alive]
+
+    def exit_code_of(self, rank: int, wait_s: float = 2.0) -> int | None:
+        """Exit status of a dead rank's process, from the local launcher (None if unknown)."""
+        if self.cluster is None or not self.ranks_info:
+            return None
+        pid = self.ranks_info[rank]["pid"]
+        deadline = time.monotonic() + wait_s
+        while True:
+            for engine_set in self.cluster.engines.values():
+                stopped = getattr(engine_set, "stop_data", {}).get("engines", {})
+                for data in stopped.values():
+                    if data.get("pid") == pid and data.get("exit_code") is not None:
+                        return data["exit_code"]
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
+    def death_reason(self, rank: int, wait_s: float = 2.0) -> str:
+        """How a dead rank's process ended, as far as its launcher can tell: the exit signal
+        or status (engines on this host), the Slurm job's state (say, CANCELLED), else
+        'exit status unknown'."""
+        deadline = time.monotonic() + wait_s
+        while self.slurm_jobs():
+            jobs = [job_state(j) for j in self.slurm_jobs()]
+            over = [j for j in jobs if j.state != "RUNNING"]
+            if over:
+                return over[0].describe()
+            if time.monotonic() > deadline:
+                return "exit status unknown; its Slurm job is still running"
+            time.sleep(0.1)
+        return describe_exit(self.exit_code_of(rank, wait_s))
+
+    def host_of(self, rank: int) -> str:
+        return self.hosts[rank] if rank < len(self.hosts) else ""
+
+    def status(self, timeout_s: float = 5.0) -> list[RankStatus]:
+        """Per rank: host, pid, device, backend, memory in use, and idle, busy or dead."""
+        self._require_started()
+        assert self.client is not None
+        dead = set(self.dead_ranks())
+        live = [e for r, e in enumerate(self.engine_ids) if r not in dead]
+        queues = self.client.queue_status(targets=live, verbose=False) if live else {}
+        rows = []
+        for r, eid in enumerate(self.engine_ids):
+            info = dict(self.ranks_info[r])
+            if r in dead:
+                state = "dead"
+            else:
+                q = queues.get(eid, {})
+                state = "busy" if q.get("queue", 0) + q.get("tasks", 0) > 0 else "idle"
+            if state == "idle":
+                ar = self.client[eid].apply_async(engine_calls.describe_rank)
+                if ar.wait(timeout_s):
+                    info = ar.get()
+                    self.ranks_info[r] = info
+            elif state == "busy":
+                info["memory"] = _local_memory(info) or info.get("memory", {})
+            rows.append(
+                RankStatus(
+                    rank=r, engine_id=eid, host=info["host"], pid=info["pid"],
+                    device=info["device"], backend=info["backend"], state=state,
+                    memory=info.get("memory", {}), local_rank=info.get("local_rank", 0),
+                )
+            )
+        self.publish_ranks(busy=frozenset(r.rank for r in rows if r.state == "busy"),
+                           dead=frozenset(dead))
+        return rows
+
+
+def _local_memory(info: dict[str, Any]) -> dict[str, int] | None:
+    """Host RSS of a rank on this machine, readable while the rank is busy."""
+    import socket
+
+    import psutil
+
+    if info.get("host") != socket.gethostname():
+        return None
+    try:
+        rss = psutil.Process(info["pid"]).memory_info().rss
+    except psutil.Error:
+        return None
+    return {**info.get("memory", {}), "host_rss": rss}
+
