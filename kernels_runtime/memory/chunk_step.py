@@ -49,13 +49,30 @@ class ChunkStep(GradSync):
         self.finish()
         out = []
         for c in self.chunks:
-            sq = self._sumsq[c.index]
-            if sq is None:
+            if self.grad[c.index] is None:
                 continue
+            sq = self._grad_sumsq(c.index)
             layout = self.layouts[c.names[0]]
             out.append(GradShard(sq.sqrt().reshape(1), layout.sharded | {"dp"},
                                  layout.replica[0] == 0))
         return out
+
+    def _grad_sumsq(self, i: int) -> torch.Tensor:
+        """The squared norm of chunk ``i``'s gradient shard (one pass, no temporary), computed
+        once per step where the gradient is in memory; a gradient leaving for disk has it
+        computed on its way out (``_before_spill``)."""
+        sq = self._sumsq[i]
+        if sq is None:
+            grad = self.grad[i]
+            if grad.tier == Tier.DISK:  # spilled by someone other than the placement
+                self.placer.bring(grad, Tier.HOST)
+            sq = self._sumsq[i] = torch.dot(grad.handle, grad.handle)
+        return sq
+
+    def _before_spill(self, payload: Payload) -> None:
+        i = self._grad_chunk.get(payload.key)
+        if i is not None and self.grad[i] is payload and self._sumsq[i] is None:
+            self._grad_sumsq(i)
 
     def scale_grads(self, shards: list[GradShard], factor: torch.Tensor | float) -> None:
         for s in shards:
@@ -66,7 +83,7 @@ class ChunkStep(GradSync):
         for i, grad in enumerate(self.grad):
             if grad is not None:
                 self.placer.forget(grad)
-                self.store.free(grad)
+                self.store.free(grad, recycle=True)
                 self.grad[i] = None
             self._sumsq[i] = None
         self._scale = None
@@ -135,7 +152,7 @@ class ChunkStep(GradSync):
             self.placer.settle(p)
         self.placer.in_use.discard(grad.key)
         self.placer.forget(grad)
-        self.store.free(grad)
+        self.store.free(grad, recycle=True)
         self.grad[i] = None
         self._sumsq[i] = None
 

@@ -83,6 +83,8 @@ class ChunkGradSync(ChunkStep):
         self._in_backward = False
         self._fetched_for_backward: set[int] = set()
         self._sumsq: list[torch.Tensor | None] = [None] * len(self.chunks)
+        self._grad_chunk = {f"c{c.index}.grad": c.index for c in self.chunks}
+        self.placer.before_spill = self._before_spill
         self.overlap = {"during_backward": 0, "at_end": 0}
         self.grad_homes: list[Tier] | None = None  # static placement only
         self._gathered: set[int] = set()
@@ -114,8 +116,8 @@ class ChunkGradSync(ChunkStep):
         values = shard if self.stage == 3 else flat
         param = self.store.allocate(f"c{c.index}.param", values.numel(), self.dtype, Tier.DEVICE)
         param.handle.copy_(values)
-        if (self.stage == 3 and self.dtype == torch.float32) or not self.training:
-            master = param  # no optimizer: the weights are all there is
+        if self._param_is_master():
+            master = param
         else:
             master = self.store.allocate(f"c{c.index}.master", shard.numel(), torch.float32,
                                          Tier.DEVICE)
@@ -125,6 +127,19 @@ class ChunkGradSync(ChunkStep):
         self.param.append(param)
         self.master.append(master)
         c.detach_params()
+
+    def _param_is_master(self) -> bool:
+        """One payload serves as parameters and fp32 master when they hold the same values:
+        without an optimizer (the weights are all there is), and in fp32 when this rank's
+        ``param`` is its shard (zero 3) or the shard is the whole chunk (one dp rank). Static
+        placement keeps zero 2's two apart: its fractions place parameters and masters
+        separately; automatic placement places what is used, and one copy is half the bytes
+        with no copy after each step."""
+        if not self.training:
+            return True
+        if self.dtype != torch.float32:
+            return False
+        return self.stage == 3 or (self.dp == 1 and self.placer.mode == "auto")
 
     def _materialize(self, u: int) -> None:
         """A deferred unit's parameters get storage and their initial values now; the chunks
@@ -205,9 +220,11 @@ class ChunkGradSync(ChunkStep):
         if _in_backward():  # a checkpointed block recomputing: its backward comes next
             return
         if torch.is_grad_enabled():
-            for t in _tensors(output):
+            outputs = _tensors(output)
+            for t in outputs:
                 if t.requires_grad:
                     t.register_hook(lambda g, u=u: self._before_backward(u))
+            self.activations.note_outputs(sum(t.numel() * t.element_size() for t in outputs))
         for i in self.units[u].chunks:
             if not self._active[i] and i not in self._held:
                 self.release(i)
@@ -272,9 +289,8 @@ class ChunkGradSync(ChunkStep):
         buf = self._grad_buf.get(i)
         if buf is None:
             self.placer.make_room(Tier.DEVICE, c.padded * 4)
-            buf = self._grad_buf[i] = torch.zeros(c.padded, dtype=torch.float32,
-                                                  device=self.ctx.device)  # (padded,)
-            self.store.charge_working(buf.numel() * 4)
+            buf = self._grad_buf[i] = self.store.device_zeros(c.padded, torch.float32)
+            self.store.charge_working(buf.numel() * 4)  # (padded,)
         off = self._offset[id(p)]
         buf[off:off + p.grad.numel()].add_(p.grad.reshape(-1))
         p.grad = None
@@ -290,12 +306,12 @@ class ChunkGradSync(ChunkStep):
         buf = self._grad_buf.pop(i, None)
         if buf is None:
             self.placer.make_room(Tier.DEVICE, c.padded * 4)
-            buf = torch.zeros(c.padded, dtype=torch.float32, device=self.ctx.device)
+            buf = self.store.device_zeros(c.padded, torch.float32)  # (padded,)
             self.store.charge_working(buf.numel() * 4)
         if self.dp > 1:
             self.placer.make_room(Tier.DEVICE, c.shard_size * 4)
             self.store.charge_working(c.shard_size * 4)  # released once accumulated
-            shard = torch.empty(c.shard_size, dtype=torch.float32, device=buf.device)
+            shard = self.store.device_empty(c.shard_size, torch.float32)
             op = self.ctx.comm.reduce_scatter_async(shard, buf, group=self.ctx.dp_group)
         else:
             shard, op = buf, None
@@ -310,25 +326,30 @@ class ChunkGradSync(ChunkStep):
         for i, buf, shard, op in pending:
             if op is not None:
                 op.wait()
-            shard.mul_(1.0 / self.dp)
-            self._accumulate(i, shard)
-            self.store.release_working(buf.numel() * 4)
             if self.dp > 1:
+                shard.mul_(1.0 / self.dp)
                 self.store.release_working(shard.numel() * 4)
+                self.store.release_working(buf.numel() * 4)
+                self.store.release_device_buffer(buf)  # reduced: nothing refers to it
+            else:  # the buffer is the shard
+                self.store.release_working(buf.numel() * 4)
+            self._accumulate(i, shard)
 
     def _accumulate(self, i: int, shard: torch.Tensor) -> None:
+        """Add a reduced shard into the chunk's ``grad``; the first one of a step becomes the
+        ``grad`` payload itself (its bytes were a working buffer until now: no copy, no
+        zero-filled allocation). Its squared norm is computed when asked (``master_grads``)
+        or before it leaves memory for disk, once per step, not per micro-batch."""
         grad = self.grad[i]
         if grad is None:
-            self.placer.make_room(Tier.DEVICE, shard.numel() * 4)
-            grad = self.grad[i] = self.store.allocate(f"c{i}.grad", shard.numel(),
-                                                      torch.float32, Tier.DEVICE)
+            grad = self.grad[i] = self.store.adopt(f"c{i}.grad", shard, Tier.DEVICE)
             self.placer.register(grad)
             self.placer.home[grad.key] = self.grad_homes[i] if self.grad_homes else Tier.DEVICE
         else:
             self.placer.bring(grad, Tier.DEVICE)
+            grad.handle.add_(shard)
         self.placer.touch(grad.key)
-        grad.handle.add_(shard)
-        self._sumsq[i] = grad.handle.pow(2).sum()
+        self._sumsq[i] = None
         self.placer.settle(grad)
 
     def _end_of_backward(self) -> None:

@@ -51,6 +51,8 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     folder = _model_folder(state.spill_dir, ctx.rank) if _may_spill(plan) else None
     store = TierStore(accelerator, disk=(lambda: DiskStore(folder)) if folder else None,
                       waiting=ctx.telemetry.waiting)
+    # host-only machines re-fault every freed buffer's pages; auto's budget bounds what is kept
+    store.recycle = plan.offload == "auto" and not accelerator.queues_work
     device_budget = plan.device_mem if plan.device_mem is not None \
         else accelerator.total_memory()
     sync = ChunkGradSync(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kernels_runtime.memory.tiers import Payload, Tier, TierStore
 from kernels_runtime.mesh.sizes import human_bytes
@@ -79,6 +79,7 @@ class Placer:
         self.trace = predicted
         self._recording: list[str] = []
         self.in_use: set[str] = set()
+        self.before_spill: Callable[[Payload], None] | None = None  # a payload leaves for disk
 
     @property
     def reserve(self) -> int:
@@ -146,6 +147,10 @@ class Placer:
         limit = self.limit(tier)
         if self.store.used[tier] + nbytes <= limit:
             return
+        if tier == Tier.DEVICE and self.store.spare_bytes:
+            self.store.drop_spares()  # recycled buffers use only room nobody needs
+            if self.store.used[tier] + nbytes <= limit:
+                return
         now = self.now
         victims = sorted((p for k, p in self.resident[tier].items()
                           if k not in keep and k not in self.in_use),
@@ -206,6 +211,8 @@ class Placer:
         self._move(payload, tier)
 
     def _move(self, payload: Payload, tier: Tier) -> None:
+        if tier == Tier.DISK and self.before_spill is not None:
+            self.before_spill(payload)
         self.resident[payload.tier].pop(payload.key, None)
         self.store.move(payload, tier)
         self.resident[tier][payload.key] = payload

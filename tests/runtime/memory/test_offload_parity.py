@@ -99,6 +99,9 @@ CASES = {  # id: (base plan, offload items)
     "tp2-zero3-static-disk": ("tp=2", "zero=3 offload=static offload_params=1 offload_grads=1 "
                               "offload_optim=1 host_mem=16KiB"),
     "tp2-zero3-auto-disk": ("tp=2", f"zero=3 offload=auto {_budget(2, 3)} {_host(2, 3)}"),
+    # one dp rank in fp32: the whole chunk is its shard, so parameters and master are one
+    # payload under auto (no copy after each step)
+    "tp2-zero2-auto-host": ("tp=2", f"zero=2 offload=auto {_budget(2, 2)}"),
 }
 
 
