@@ -39,7 +39,10 @@ class TokenBatches:
 
     Every rank draws the same ``global_batch`` window starts from a generator seeded by
     ``(seed, step)`` and keeps rows ``[r*b, (r+1)*b)`` with ``b = global_batch // dp_size``.
-    Labels are the inputs shifted by one token (next-byte prediction).
+    Labels follow transformers' convention: they are the input ids themselves, and the loss
+    shifts them (an HF model given ``labels``, and both of ``train_step``'s objectives,
+    ``causal_lm_loss`` and ``next_token_loss``, predict ``labels[:, t + 1]`` from position
+    ``t``). Labels shifted here as well would train the model to predict two tokens ahead.
     """
 
     def __init__(
@@ -86,11 +89,13 @@ class TokenBatches:
         return torch.randint(0, high, (self.global_batch,), generator=g)
 
     def batch(self, step: int) -> Batch:
-        """This rank's ``(input_ids, labels)``, each int64 of shape (global_batch/dp, seq_len)."""
+        """This rank's ``(input_ids, labels)``, each int64 of shape (global_batch/dp, seq_len);
+        the labels equal the inputs (the loss shifts them; class docstring)."""
         lo = self.dp_rank * self.local_batch
         starts = self.global_starts(step)[lo : lo + self.local_batch]  # (b,)
         windows = self.tokens[starts[:, None] + self._offsets].long()  # (b, s+1)
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (b, s), (b, s)
+        inputs = windows[:, :-1].contiguous()  # (b, s)
+        return inputs, inputs.clone()
 
     def microbatches(self, step: int, n: int) -> list[Batch]:
         """This rank's batch at ``step`` split into ``n`` equal micro-batches, in row order."""
