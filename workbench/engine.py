@@ -17,8 +17,13 @@ remotely; its Slurm launcher assumes a shared HOME).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import json
 import os
+import signal
 import sys
+from typing import Any
 
 
 def main() -> None:
@@ -30,7 +35,60 @@ def main() -> None:
     _ensure_profile_dir(sys.argv[1:])
     from ipyparallel.engine.app import main as engine_main
 
-    engine_main()
+    forks = [a for a in sys.argv[1:] if a.startswith("--workbench-")]
+    if not forks:
+        engine_main()
+        return
+    sys.argv = [a for a in sys.argv if a not in forks]
+    options = dict(a[len("--workbench-"):].split("=", 1) for a in forks)
+    devices = [d for d in options.get("devices", "").split(",") if d]
+    _fork_engines(int(options["fork"]), devices, engine_main)
+
+
+def _fork_engines(n: int, devices: list[str], engine_main: Any) -> None:
+    """Fork ``n`` engines from this process (see ``workbench.forked_engines``), forward stop
+    signals to them and record how each one ended."""
+    import ipykernel.ipkernel  # noqa: F401  imported once here, shared by every child
+    import ipyparallel.engine.kernel  # noqa: F401
+
+    from workbench.forked_engines import exits_file
+
+    children: set[int] = set()
+    for i in range(n):
+        pid = os.fork()
+        if pid == 0:  # the child: an ordinary engine that dies with its parent
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            if devices:
+                os.environ["CUDA_VISIBLE_DEVICES"] = devices[i % len(devices)]
+            code = 0
+            try:
+                engine_main()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+        children.add(pid)
+
+    def forward(sig: int, frame: Any) -> None:
+        for child in list(children):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, sig)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    record = exits_file(os.environ.get("IPP_PROFILE_DIR", "."),
+                        os.environ.get("IPP_CLUSTER_ID", "engines"))
+    while children:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        children.discard(pid)
+        with contextlib.suppress(OSError), open(record, "a") as f:
+            f.write(json.dumps({"pid": pid, "exit_code": os.waitstatus_to_exitcode(status)})
+                    + "\n")
 
 
 def _ensure_profile_dir(argv: list[str]) -> None:

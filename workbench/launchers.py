@@ -33,7 +33,7 @@ REMOTE_LAUNCHERS = ("ssh", "slurm", "pbs", "sge", "lsf", "htcondor")
 LOOPBACK = "127.0.0.1"
 ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
-_CLASS = {"local": "LocalEngineSetLauncher", "mpi": "MPIEngineSetLauncher",
+_CLASS = {"local": "ForkedEngineSetLauncher", "mpi": "MPIEngineSetLauncher",
           "slurm": "SlurmEngineSetLauncher", "ssh": "SSHEngineSetLauncher",
           "pbs": "PBSEngineSetLauncher", "sge": "SGEEngineSetLauncher",
           "lsf": "LSFEngineSetLauncher", "htcondor": "HTCondorEngineSetLauncher"}
@@ -115,14 +115,27 @@ def engine_command(python: str) -> list[str]:
     return [python, "-m", "workbench.engine"]
 
 
-def cluster_config(spec: LauncherSpec, n: int) -> Config:
-    """The ipyparallel configuration of ``spec``'s engine launcher for ``n`` engines."""
+def engine_launcher(spec: LauncherSpec) -> Any:
+    """What ``ipp.Cluster(engines=...)`` gets: our forking launcher for local engines (torch
+    imported once per host, see ``workbench.forked_engines``), else ipyparallel's own."""
+    if spec.engines == "local":
+        from workbench.forked_engines import ForkedEngineSetLauncher
+
+        return ForkedEngineSetLauncher
+    return spec.engines
+
+
+def cluster_config(spec: LauncherSpec, n: int, devices: list[str] | None = None) -> Config:
+    """The ipyparallel configuration of ``spec``'s engine launcher for ``n`` engines;
+    ``devices``: local engines' ``CUDA_VISIBLE_DEVICES``, round robin."""
     c = Config()
     cls = c[spec.launcher_class]
     cls.engine_cmd = engine_command(spec.remote_python if spec.remote else sys.executable)
     # Engines on this host read the controller's connection file as soon as it exists, so
     # they start (and import torch) while the controller starts, instead of after it.
     c.Cluster.send_engines_connection_env = spec.remote
+    if spec.engines == "local" and devices:
+        cls.devices = list(devices)
     if spec.engines == "mpi":
         _configure_mpi(cls, spec, n)
     elif spec.engines == "slurm":

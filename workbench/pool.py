@@ -33,7 +33,7 @@ from workbench import engine_calls
 from workbench._async import LoopThread
 from workbench.errors import PoolError
 from workbench.lab.state import PoolStateFile, rank_row
-from workbench.launchers import LauncherSpec, cluster_config, resolve_launcher
+from workbench.launchers import LauncherSpec, cluster_config, engine_launcher, resolve_launcher
 from workbench.pool_status import RankQueries
 from workbench.pool_status import RankStatus as RankStatus  # re-exported: workbench.RankStatus
 from workbench.ranks import assign_ranks, check_versions, notebook_versions, visible_gpu_count
@@ -161,12 +161,13 @@ class Pool(RankQueries):
     async def _start_cluster(self, n: int) -> None:
         kwargs = dict(self.cluster_kwargs)
         kwargs["controller_args"] = [*CONTROLLER_ARGS, *kwargs.get("controller_args", [])]
-        config = cluster_config(self.launcher, n)
+        devices = [str(g) for g in range(self.gpus)] if self.launcher.engines == "local" else []
+        config = cluster_config(self.launcher, n, devices)
         if "config" in kwargs:
             config.merge(kwargs.pop("config"))
         self.cluster = ipp.Cluster(
             n=n,
-            engines=self.launcher.engines,
+            engines=engine_launcher(self.launcher),
             controller_ip=self.launcher.controller_ip,
             log_level=logging.WARNING,
             config=config,
@@ -185,14 +186,11 @@ class Pool(RankQueries):
                 await cluster.stop_cluster()
 
     async def _start_engines(self, n: int) -> None:
+        """One engine set; local engines each see exactly one GPU of this host (their
+        ``CUDA_VISIBLE_DEVICES``, set by the forking launcher), remote ones pick theirs by
+        ``local_rank``."""
         assert self.cluster is not None
-        if self.gpus and self.launcher.engines == "local":
-            # One engine set per GPU so each engine sees exactly its own device.
-            for g in range(n):
-                env = {"CUDA_VISIBLE_DEVICES": str(g % self.gpus)}
-                self._engine_sets.append(await self.cluster.start_engines(1, environment=env))
-        else:
-            self._engine_sets.append(await self.cluster.start_engines(n))
+        self._engine_sets.append(await self.cluster.start_engines(n))
 
     async def _wait_for_new_engines(self, n: int, old: set[int]) -> list[int]:
         assert self.client is not None

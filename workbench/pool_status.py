@@ -15,6 +15,7 @@ from typing import Any
 
 from workbench import engine_calls
 from workbench.errors import describe_exit
+from workbench.forked_engines import exit_status
 from workbench.slurm import job_state
 
 
@@ -59,15 +60,19 @@ class RankQueries:
         return [r for r, e in enumerate(self.engine_ids) if e not in alive]
 
     def exit_code_of(self, rank: int, wait_s: float = 2.0) -> int | None:
-        """Exit status of a dead rank's process, from the local launcher (None if unknown)."""
+        """Exit status of a dead rank's process, from the local launcher (None if unknown):
+        the forking parent's record, or ipyparallel's per-engine stop data."""
         if self.cluster is None or not self.ranks_info:
             return None
         pid = self.ranks_info[rank]["pid"]
         deadline = time.monotonic() + wait_s
         while True:
+            code = exit_status(self.cluster.profile_dir, self.cluster.cluster_id, pid)
+            if code is not None:
+                return code
             for engine_set in self.cluster.engines.values():
-                stopped = getattr(engine_set, "stop_data", {}).get("engines", {})
-                for data in stopped.values():
+                stopped = getattr(engine_set, "stop_data", None) or {}
+                for data in (stopped.get("engines") or {}).values():
                     if data.get("pid") == pid and data.get("exit_code") is not None:
                         return data["exit_code"]
             if time.monotonic() > deadline:

@@ -108,3 +108,14 @@ def test_engine_entry_point_is_importable_without_running():
     import workbench.engine as entry
 
     assert callable(entry.main) and "workbench.engine" in sys.modules
+
+
+def test_local_engines_are_forked_from_one_process_with_a_device_each():
+    from workbench.forked_engines import ForkedEngineSetLauncher
+
+    spec = resolve_launcher("local", None)
+    config = cluster_config(spec, 4, devices=["0", "1"])
+    launcher = ForkedEngineSetLauncher(config=config, engine_cmd=["py", "-m", "workbench.engine"])
+    launcher.n = 4
+    assert launcher.find_args() == ["py", "-m", "workbench.engine", "--workbench-fork=4",
+                                    "--workbench-devices=0,1"]
