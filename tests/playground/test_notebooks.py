@@ -364,3 +364,34 @@ def test_heterogeneous_memory_trains_beyond_the_device_budget(tmp_path, monkeypa
         assert (tmp_path / "reports" / f"heterogeneous_{name}.html").is_file(), name
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o["output_type"] == "error"]
     assert not errors
+
+
+def test_inference_notebook_streams_batches_shares_and_splits(tmp_path, monkeypatch):
+    """08 on 2 ranks: a GPT-2 trained in the notebook serves requests from an engine built on
+    the ranks (tp=2): streamed text, seeded sampling that repeats, a stop string, 48 requests
+    continuously batched with the cache handed back, a shared system prompt's blocks reused,
+    a cache too small for the batch (preempting) giving the same tokens, per-request errors,
+    and the same greedy tokens under pp=2."""
+    import re
+
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WORKBENCH_RANKS", "2")
+    echo = io.StringIO()
+    nb = run_notebook(NOTEBOOKS / "08_inference.ipynb", timeout_s=300, echo=echo,
+                      workdir=tmp_path)
+    text = echo.getvalue()
+    assert "2 ranks (WORKBENCH_RANKS=2): the engine runs under tp=2, then under pp=2" in text
+    assert re.search(r"^engine under tp=2: \d+ KV blocks of 16 tokens", text, re.M)
+    streamed = re.findall(r"^\[([012])\] '.*'  \[length\]$", text, re.M)  # the text display
+    assert sorted(set(streamed)) == ["0", "1", "2"], text
+    assert re.search(r"^stop at '.{3}': '.*' \(stop\)$", text, re.M)
+    assert re.search(r"^48 requests, \d+ tokens generated$", text, re.M)
+    assert "blocks in use now 0 of" in text
+    shared = int(re.search(r"instead of computed: (\d+)$", text, re.M).group(1))
+    assert shared >= 80, shared
+    assert re.search(r"^\d+ blocks, [1-9]\d* preemptions; same tokens as the large cache: True$",
+                     text, re.M)
+    assert text.count(" error: ") == 3 and "the prompt is empty" in text
+    assert "under pp=2: same greedy tokens as under tp=2: True" in text
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o["output_type"] == "error"]
+    assert not errors
