@@ -32,6 +32,8 @@ def test_quickstart_runs_and_shows_rank0_output():
 
 
 def test_pretrain_gpt_trains_checkpoints_and_reports(tmp_path, monkeypatch):
+    import re
+
     monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "cache"))
     echo = io.StringIO()
     run_notebook(NOTEBOOKS / "01_pretrain_gpt.ipynb", timeout_s=600, echo=echo,
@@ -49,6 +51,9 @@ def test_pretrain_gpt_trains_checkpoints_and_reports(tmp_path, monkeypatch):
     for rank in (0, 1):
         tokens_per_s = traces[f"tokens/s: rank {rank}"][1]
         assert len(tokens_per_s) >= 2 and tokens_per_s[-1] > 0
+    # the demo ends by generating through the inference engine from the trained weights
+    generated = re.findall(r"^generated: '(.*)'$", text, re.M)
+    assert len(generated) == 3 and all(len(g) >= 40 for g in generated), generated
 
 
 def test_committed_notebooks_have_no_outputs():
