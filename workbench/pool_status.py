@@ -92,6 +92,8 @@ class RankQueries:
             if time.monotonic() > deadline:
                 return "exit status unknown; its Slurm job is still running"
             time.sleep(0.1)
+        if self.launcher.engines != "local":  # only our forking parent records exits promptly
+            return describe_exit(self.exit_code_of(rank, 0.0))
         return describe_exit(self.exit_code_of(rank, wait_s))
 
     def host_of(self, rank: int) -> str:

@@ -58,14 +58,16 @@ def assign_ranks(idents: list[dict[str, Any]], engine_ids: list[int]) -> RankLay
 
 def check_versions(idents: list[dict[str, Any]], notebook: dict[str, str]) -> None:
     """Refuse engines whose torch or workbench version differs from another's or the
-    notebook's (``notebook``: package -> version; a package it lacks is not compared)."""
+    notebook's (``notebook``: package -> version; a package it lacks is not compared).
+    torch's build label is not compared (a CPU build on the login node, ``2.4.0+cpu``, works
+    with ``2.4.0+cu121`` on the GPU nodes); its release is."""
     problems = []
     for package in ("torch", "workbench"):
         seen: dict[str, set[str]] = {}
         for ident in idents:
-            seen.setdefault(ident.get(package, "missing"), set()).add(ident["host"])
+            seen.setdefault(_release(ident.get(package, "missing")), set()).add(ident["host"])
         if package in notebook:
-            seen.setdefault(notebook[package], set()).add("the notebook")
+            seen.setdefault(_release(notebook[package]), set()).add("the notebook")
         if len(seen) > 1:
             where = "; ".join(f"{version} on {', '.join(sorted(hosts, key=_notebook_last))}"
                               for version, hosts in sorted(seen.items()))
@@ -76,6 +78,10 @@ def check_versions(idents: list[dict[str, Any]], notebook: dict[str, str]) -> No
             "the same torch and colossal-workbench on every host (e.g. one shared virtualenv "
             "or the same pinned requirements), then start again."
         )
+
+
+def _release(version: str) -> str:
+    return version.split("+", 1)[0]
 
 
 def _notebook_last(host: str) -> tuple[bool, str]:

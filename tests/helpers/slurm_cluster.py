@@ -31,11 +31,11 @@ class SlurmNode:
     wrap: list[str] = field(default_factory=list)
 
 
-def ensure_munge() -> None:
+def ensure_munge() -> bool:
     """Start munged as the munge user unless one already answers (it is shared: one per
-    machine, like a cluster's shared key)."""
+    machine, like a cluster's shared key); True when this call started it."""
     if _munge_ok():
-        return
+        return False
     Path("/run/munge").mkdir(parents=True, exist_ok=True)
     subprocess.run(["chown", "munge:munge", "/run/munge"], check=True)
     subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True)
@@ -44,6 +44,7 @@ def ensure_munge() -> None:
         if time.monotonic() > deadline:
             raise RuntimeError("munged did not come up")
         time.sleep(0.1)
+    return True
 
 
 def _munge_ok() -> bool:
@@ -62,6 +63,7 @@ class SlurmCluster:
         self.dir, self.controller, self.nodes = workdir, controller, nodes
         self.conf = workdir / "slurm.conf"
         self.procs: list[subprocess.Popen] = []
+        self.started_munge = False
 
     def env(self) -> dict[str, str]:
         return {"SLURM_CONF": str(self.conf)}
@@ -92,7 +94,7 @@ class SlurmCluster:
         self.conf.write_text("\n".join(lines) + "\n")
 
     def start(self, timeout_s: float = 60.0) -> SlurmCluster:
-        ensure_munge()
+        self.started_munge = ensure_munge()
         self.write_config()
         env = dict(os.environ, **self.env())
         log = open(self.dir / "log" / "daemons.out", "ab")  # noqa: SIM115 (kept by Popen)
@@ -144,3 +146,7 @@ class SlurmCluster:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
+        if self.started_munge:
+            subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged", "--stop"],
+                           capture_output=True)
+            self.started_munge = False

@@ -94,6 +94,9 @@ def test_hosts_with_other_versions_are_refused_by_name():
     other = [same[0], {"host": "b", "torch": "2.12.1", "workbench": "0.1.0"}]
     with pytest.raises(PoolError, match=r"torch: 2\.12\.1 on b; 2\.13\.0 on a, the notebook"):
         check_versions(other, {"torch": "2.13.0", "workbench": "0.1.0"})
+    # a CPU build in the notebook and CUDA builds on the hosts: the same release
+    cuda = [{**i, "torch": "2.13.0+cu126"} for i in same]
+    check_versions(cuda, {"torch": "2.13.0+cpu", "workbench": "0.1.0"})
 
 
 def test_launcher_ranks_are_read_from_mpi_and_slurm_variables():
