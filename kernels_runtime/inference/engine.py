@@ -328,10 +328,14 @@ class Engine:
 
     # ---- figures --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Queue, KV blocks and totals now (this replica); what telemetry publishes."""
+        """Queue, KV blocks and totals now (this replica); what telemetry publishes. Every
+        rank of a replica reports the same figures, so ``replica`` (the dp coordinate) and
+        ``leader`` (its first tp and pp rank) let a reader count each replica once."""
         pool, s = self.pool, self.scheduler
         held = sum(q.computed for q in s.running)
-        return {"running": len(s.running), "waiting": len(s.waiting),
+        leader = self.ctx.coord("tp") == 0 and self.ctx.coord("pp") == 0
+        return {"replica": self.ctx.dp_rank, "leader": leader,
+                "running": len(s.running), "waiting": len(s.waiting),
                 "swapped": len(s.swapped), "blocks_total": pool.num_blocks,
                 "blocks_used": pool.num_used, "blocks_free": pool.num_free,
                 "blocks_shared": pool.num_shared, "blocks_cached": pool.num_cached,

@@ -5,10 +5,12 @@ publishing on, the file follows the pool through start, a cell (busy, telemetry,
 and removal; a pipeline cell's file carries the stage timeline as the very traces the
 notebook's figure draws, and the pipeline's point-to-point bytes apart from its collectives;
 an offloading cell's file carries the offload panel (model state per tier per rank, bytes
-moved per step) as the notebook's traces, and a cell without offload none; a file of a dead
-process is never listed and gets deleted; a malformed pool id
-cannot name a file; the server extension module does not import torch; ``workbench lab``
-builds the JupyterLab command the README promises.
+moved per step) as the notebook's traces, and a cell without offload none; a generating
+cell's file carries the inference panel (tokens/s, the queue, KV blocks) as the notebook's
+traces, each replica counted once, and none before an engine stepped; a file of a dead
+process is never listed and gets deleted; a malformed pool id cannot name a file; the server
+extension module does not import torch; ``workbench lab`` builds the JupyterLab command the
+README promises.
 """
 
 from __future__ import annotations
@@ -150,6 +152,45 @@ def test_an_offloading_cell_carries_its_offload_panel(runtime):
     assert drawn["moved: host->disk"][1] == [2 * 512 * 2, 2 * 512 * 3, 2 * 512 * 4]
     assert cell["latest"]["1"]["offload_tiers"] == {"device": 0, "host": 10, "disk": 4100}
     assert cell["stages"] is None  # no pipeline in this cell
+
+
+def _inference_snapshot(seq: int, rank: int) -> dict:
+    """One rank of a tp=2 engine (one replica over ranks 0 and 1) after ``seq`` polls."""
+    snap = _snapshot(seq, seq)["colossal_telemetry"]
+    snap["inference"] = {"replica": 0, "leader": rank == 0, "running": 3, "waiting": 9 - seq,
+                         "swapped": 0, "blocks_total": 40, "blocks_used": 10 + seq,
+                         "blocks_free": 30 - seq, "blocks_shared": 4, "block_size": 16,
+                         "kv_tokens": 150, "preemptions": seq, "prefix_hit_blocks": 6,
+                         "kv_utilisation": 0.75, "steps": 10 * seq, "generated_tokens": 30 * seq}
+    return {"colossal_telemetry": snap}
+
+
+def test_an_inference_cell_carries_its_inference_panel(runtime):
+    from workbench.dashboard.figures import build_inference_figure
+
+    f = PoolStateFile(enabled=True, min_interval_s=0.0)
+    f.update("running")
+    f.cell_started("engine.generate", [0, 1])
+    f.cell_data({r: _snapshot(1, 1) for r in (0, 1)})  # published before the first step
+    cell = read_pool(f.pool_id)["cell"]
+    assert cell["inference"] is None and cell["latest"]["0"]["inference"] is None
+    for seq in (2, 3, 4):
+        f.cell_data({r: _inference_snapshot(seq, r) for r in (0, 1)}, final=seq == 4)
+    cell = read_pool(f.pool_id)["cell"]
+    panel = cell["inference"]
+    assert panel["title"] == (
+        "inference engine · 400 generated tokens/s · 3 running, 5 waiting, 0 swapped (1 "
+        "replica)<br>KV 14/40 blocks used (4 shared), 75% utilised · 4 preemptions · 6 "
+        "prefix-hit blocks")  # rank 0 alone stands for the replica: nothing counted twice
+    assert panel["layout"]["xaxis3"]["anchor"] == "y3" and panel["layout"]["barmode"] == "stack"
+    figure = build_inference_figure(f.history, widget=False)  # what the notebook draws
+    drawn = {t.name: (list(t.x), list(t.y)) for t in figure.data}
+    assert {t["name"]: (t["x"], t["y"]) for t in panel["traces"]} == drawn
+    assert drawn["queue: waiting"][1] == [7, 6, 5] and drawn["queue: running"][1] == [3] * 3
+    assert drawn["KV blocks: free"] == (["replica 0"], [26])
+    assert cell["latest"]["1"]["inference"]["blocks_used"] == 14
+    assert cell["latest"]["1"]["inference"]["leader"] is False
+    assert cell["offload"] is None and cell["stages"] is None
 
 
 def test_writes_during_a_cell_are_rate_limited(runtime):

@@ -1,5 +1,6 @@
 """Live plots of what the ranks publish: memory per tier, communication, throughput, a
-pipeline's stage timeline, and an offloading model's state per tier and traffic between tiers.
+pipeline's stage timeline, an offloading model's state per tier and traffic between tiers, and
+an inference engine's generated tokens/s, queue and KV blocks.
 
 ``%%colossal`` feeds a ``LiveDashboard`` from its waiting loop; ``workbench.dashboard()``
 shows the last run afterwards and ``.to_html(path)`` writes a standalone report. plotly is

@@ -16,23 +16,28 @@ figure of its own because a shown widget does not reliably take a new subplot gr
 the output of a running cell detaches the old view with an error), while adding a figure
 next to the shown one is an ordinary widget operation.
 
-Likewise, once some rank's model has offloaded during the cell, a third figure: model state
-per tier per rank and what moved between tiers per step (``offload.py``).
+Likewise, once some rank's model has offloaded during the cell, a figure of its own: model
+state per tier per rank and what moved between tiers per step (``offload.py``); and once some
+rank's inference engine has stepped, another: generated tokens/s, the queue and the KV blocks
+per replica (``inference.py``).
 
 Values are the runtime's own numbers, unscaled (bytes, seconds), so what a figure shows can be
 checked against ``CommStats`` and ``Telemetry.snapshot()``; axes format them (``~s``: 1.2M).
 Every trace has a unique name (``"memory: host"``, ``"comm: dp"``, ``"tokens/s: rank 0"``,
-``"stage: F (forward)"``, ``"model state: disk"``, ``"moved: host->disk"``).
+``"stage: F (forward)"``, ``"model state: disk"``, ``"moved: host->disk"``,
+``"queue: waiting"``, ``"KV blocks: free"``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from workbench.dashboard.history import RunHistory
+from workbench.dashboard.inference import inference_layout, inference_traces
 from workbench.dashboard.offload import offload_layout, offload_traces
 from workbench.dashboard.timeline import stage_axes, stage_title, stage_traces
 
@@ -138,35 +143,62 @@ def update_stage_figure(fig: go.Figure, history: RunHistory) -> None:
         fig.update_layout(_stage_layout(history))
 
 
-# ---- model state per tier -----------------------------------------------------------------
-def build_offload_figure(history: RunHistory, widget: bool = True) -> go.Figure | None:
-    """The offload panel of ``history`` as its own figure; None while nothing offloaded."""
-    traces = offload_traces(history)
-    if not traces:
+# ---- panels of plain-dict traces: model state per tier, the inference engine -------------
+Traces = Callable[..., dict[str, dict[str, Any]]]
+Layout = Callable[[RunHistory], dict[str, Any]]
+
+
+def _build_panel(history: RunHistory, traces: Traces, layout: Layout, height: int,
+                 widget: bool, top: int = 50) -> go.Figure | None:
+    """A figure of ``traces(history)`` (plain dicts, ``type`` included) under
+    ``layout(history)``, ``top`` pixels above the plots for the title; None while the history
+    has no data for it."""
+    data = traces(history)
+    if not data:
         return None
-    fig = go.Figure(layout={**offload_layout(history), "height": 380,
-                            "margin": {"t": 50, "b": 40},
+    fig = go.Figure(layout={**layout(history), "height": height, "margin": {"t": top, "b": 40},
                             "legend": {"font": {"size": 10}, "orientation": "h", "y": -0.2,
                                        "traceorder": "normal"}})
-    for name, props in traces.items():
+    for name, props in data.items():
         fig.add_trace({**props, "name": name})
     return go.FigureWidget(fig) if widget else fig
+
+
+def _update_panel(fig: go.Figure, history: RunHistory, traces: Traces,
+                  layout: Layout) -> None:
+    """Bring a panel up to date in one batch; a trace seen for the first time is added."""
+    data = traces(history)
+    have = {trace.name for trace in fig.data}
+    for name, props in data.items():
+        if name not in have:
+            fig.add_trace({**props, "name": name})
+    with fig.batch_update():
+        for trace in fig.data:
+            props = dict(data.get(trace.name, {"x": [], "y": []}))
+            props.pop("type", None)
+            trace.update(props)
+        fig.update_layout(layout(history))
+
+
+def build_offload_figure(history: RunHistory, widget: bool = True) -> go.Figure | None:
+    """The offload panel of ``history`` as its own figure; None while nothing offloaded."""
+    return _build_panel(history, offload_traces, offload_layout, 380, widget)
 
 
 def update_offload_figure(fig: go.Figure, history: RunHistory) -> None:
     """Bring the offload figure up to date in one batch (a pair moved for the first time, such
     as host->disk once the host tier is full, adds its trace)."""
-    traces = offload_traces(history)
-    have = {trace.name for trace in fig.data}
-    for name, props in traces.items():
-        if name not in have:
-            fig.add_trace({**props, "name": name})
-    with fig.batch_update():
-        for trace in fig.data:
-            props = dict(traces.get(trace.name, {"x": [], "y": []}))
-            props.pop("type", None)
-            trace.update(props)
-        fig.update_layout(offload_layout(history))
+    _update_panel(fig, history, offload_traces, offload_layout)
+
+
+def build_inference_figure(history: RunHistory, widget: bool = True) -> go.Figure | None:
+    """The inference panel of ``history`` as its own figure; None while no engine stepped."""
+    return _build_panel(history, inference_traces, inference_layout, 400, widget, top=70)
+
+
+def update_inference_figure(fig: go.Figure, history: RunHistory) -> None:
+    """Bring the inference figure up to date in one batch (a second replica adds its line)."""
+    _update_panel(fig, history, inference_traces, inference_layout)
 
 
 def trace_data(fig: go.Figure) -> dict[str, tuple[list, list]]:

@@ -15,6 +15,10 @@ An offloading rank's points also keep its cumulative offload counters (bytes mov
 "from->to", evictions, seconds waited, offloading steps), so per-step figures are differences
 between points (``offload.py``); a rank's placement counts only once those counters move on
 during the run (``offloads``), since they outlive a cell.
+
+An inference engine's points keep its queue (running, waiting, swapped) and which replica the
+rank stands for (``inference.py`` counts each replica once); its block is per cell already
+(telemetry forgets it when a cell starts), so ``inferences`` needs no baseline.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ def _summary(snapshot: dict[str, Any]) -> dict[str, Any]:
         "comm_bytes": collective_bytes(snapshot),
         "p2p_bytes": {axis: c.get("sent", 0) for axis, c in p2p.items()},
         "offload": _offload_counters(snapshot.get("offload")),
+        "inference": _inference_queue(snapshot.get("inference")),
     }
 
 
@@ -53,6 +58,14 @@ def _offload_counters(block: Any) -> dict[str, Any] | None:
         return None
     return {"moved": dict(block.get("moved", {})), "evictions": block.get("evictions", 0),
             "wait_seconds": block.get("wait_seconds", 0.0), "steps": block.get("steps", 0)}
+
+
+def _inference_queue(block: Any) -> dict[str, Any] | None:
+    """An engine's queue now and the replica it belongs to, or None: no engine stepped."""
+    if not isinstance(block, dict):
+        return None
+    return {"replica": block.get("replica"), "leader": bool(block.get("leader", True)),
+            **{k: int(block.get(k, 0) or 0) for k in ("running", "waiting", "swapped")}}
 
 
 def collective_bytes(snapshot: dict[str, Any]) -> dict[str, float]:
@@ -147,6 +160,12 @@ class RunHistory:
         moves on is a previous cell's model and is left out."""
         return {r: s["offload"] for r, s in sorted(self.latest.items())
                 if _offload_steps(s) > self._offload_start.get(r, 0)}
+
+    def inferences(self) -> dict[int, dict[str, Any]]:
+        """Rank -> its latest inference block (``Engine.stats``), for ranks whose engine has
+        stepped during this run; empty without one."""
+        return {r: s["inference"] for r, s in sorted(self.latest.items())
+                if isinstance(s.get("inference"), dict)}
 
     def rank_series(self, rank: int, key: str) -> list[float]:
         """``tokens_per_s``, ``samples_per_s`` or ``flops_per_s`` of one rank at each point."""

@@ -1,8 +1,9 @@
 """``Dashboard``: a run's figures for the notebook (live widgets) and for a report file.
 
-The main figure is always there; the stage timeline (a pipeline ran) and the offload panel
-(a model offloaded) join it as figures of their own once the run has their data, because a
-shown widget cannot be relayouted into a new subplot grid (``figures.py``)."""
+The main figure is always there; the stage timeline (a pipeline ran), the offload panel (a
+model offloaded) and the inference panel (an engine generated) join it as figures of their own
+once the run has their data, because a shown widget cannot be relayouted into a new subplot
+grid (``figures.py``)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,17 @@ from workbench.dashboard.history import RunHistory
 
 class Dashboard:
     """Shows a ``RunHistory``: displays as a box of plotly ``FigureWidget``s (the main figure,
-    below it the stage timeline once a pipeline step has been published and the offload panel
-    once a model has offloaded); ``to_html`` writes a standalone report. plotly is imported on
-    first use, not with the magics."""
+    below it the stage timeline once a pipeline step has been published, the offload panel
+    once a model has offloaded and the inference panel once an engine has stepped);
+    ``to_html`` writes a standalone report. plotly is imported on first use, not with the
+    magics."""
 
     def __init__(self, history: RunHistory) -> None:
         self.history = history
         self._widget: Any = None
         self._stages: Any = None
         self._offload: Any = None
+        self._inference: Any = None
         self._box: Any = None
 
     @property
@@ -54,10 +57,19 @@ class Dashboard:
         return self._offload
 
     @property
+    def inference_figure(self) -> Any:
+        """The live ``FigureWidget`` of the inference panel, or None while no engine stepped."""
+        if self._inference is None:
+            from workbench.dashboard.figures import build_inference_figure
+
+            self._inference = build_inference_figure(self.history, widget=True)
+        return self._inference
+
+    @property
     def widget(self) -> Any:
         """What is displayed: a ``VBox`` of the figures, so the stage timeline and the offload
-        panel can join a shown dashboard (new children) without redrawing or replacing the
-        main figure."""
+        and inference panels can join a shown dashboard (new children) without redrawing or
+        replacing the main figure."""
         if self._box is None:
             import ipywidgets
 
@@ -68,7 +80,7 @@ class Dashboard:
     def refresh(self) -> None:
         """Push the history's current data into the widgets (one batched update each); the
         first pipeline step adds the stage timeline to a shown box, the first offloading steps
-        the offload panel."""
+        the offload panel, an engine's first steps the inference panel."""
         from workbench.dashboard import figures
 
         if self._widget is not None:
@@ -77,14 +89,17 @@ class Dashboard:
             figures.update_stage_figure(self._stages, self.history)
         if self._offload is not None:
             figures.update_offload_figure(self._offload, self.history)
+        if self._inference is not None:
+            figures.update_inference_figure(self._inference, self.history)
         if self._box is not None and self._new_figures():
             self._box.children = self._figures()
 
     def _new_figures(self) -> bool:
         """Builds the figures the run has data for by now; True if one of them is new (the
         new one is built from the current data, so it needs no update)."""
-        missing = (self._stages is None, self._offload is None)
-        built = (self.stage_figure is not None, self.offload_figure is not None)
+        missing = (self._stages is None, self._offload is None, self._inference is None)
+        built = (self.stage_figure is not None, self.offload_figure is not None,
+                 self.inference_figure is not None)
         return any(m and b for m, b in zip(missing, built))
 
     def to_figure(self) -> Any:
@@ -95,16 +110,18 @@ class Dashboard:
 
     def to_html(self, path: str | os.PathLike[str], include_plotlyjs: bool | str = True) -> Path:
         """Write a standalone HTML report, under the main figure the stage timeline if a
-        pipeline ran and the offload panel if a model offloaded; plotly.js is embedded by
-        default so the file opens offline (about 4.5 MB); pass ``include_plotlyjs="cdn"`` for
-        a small file that loads it from the network."""
-        from workbench.dashboard.figures import build_offload_figure, build_stage_figure
+        pipeline ran, the offload panel if a model offloaded and the inference panel if an
+        engine generated; plotly.js is embedded by default so the file opens offline (about
+        4.5 MB); pass ``include_plotlyjs="cdn"`` for a small file that loads it from the
+        network."""
+        from workbench.dashboard import figures
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         page = self.to_figure().to_html(include_plotlyjs=include_plotlyjs, full_html=True)
-        for extra in (build_stage_figure(self.history, widget=False),
-                      build_offload_figure(self.history, widget=False)):
+        for extra in (figures.build_stage_figure(self.history, widget=False),
+                      figures.build_offload_figure(self.history, widget=False),
+                      figures.build_inference_figure(self.history, widget=False)):
             if extra is not None:
                 div = extra.to_html(include_plotlyjs=False, full_html=False)
                 page = page.replace("</body>", div + "</body>", 1)
@@ -112,7 +129,7 @@ class Dashboard:
         return path
 
     def _figures(self) -> tuple[Any, ...]:
-        extra = (self.stage_figure, self.offload_figure)
+        extra = (self.stage_figure, self.offload_figure, self.inference_figure)
         return (self.figure, *(f for f in extra if f is not None))
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:

@@ -10,8 +10,10 @@ waiting on a busy kernel.
 A file holds the pool id, the id of the kernel that owns it (from the kernel's connection file
 name ``kernel-<id>.json``), the kernel's pid, the pool's state, one row per rank, and the
 telemetry of the running (or last) ``%%colossal`` cell, with its pipeline stage timeline as
-plotly traces when the cell ran a pipeline, and its offload panel (model state per tier, bytes
-moved between tiers per step) as plotly traces and layout when a model offloaded. Writes
+plotly traces when the cell ran a pipeline, its offload panel (model state per tier, bytes
+moved between tiers per step) as plotly traces and layout when a model offloaded, and its
+inference panel (generated tokens/s, the queue, KV blocks per replica) likewise when an engine
+generated. Writes
 during a cell are rate-limited (``min_interval_s``, 0.5 s) so a long training loop costs the
 kernel next to nothing.
 
@@ -31,10 +33,12 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from workbench.dashboard.history import RunHistory, collective_bytes
+from workbench.dashboard.inference import inference_layout, inference_traces
 from workbench.dashboard.offload import offload_layout, offload_traces
 from workbench.dashboard.timeline import stage_axes, stage_title, stage_traces
 
@@ -44,6 +48,8 @@ SCHEMA_VERSION = 1
 STATES = ("starting", "running", "busy", "restarting", "stopping", "stopped", "failed")
 LIVE_STATES = ("starting", "running", "busy", "restarting", "stopping")
 SERIES_POINTS = 300  # points of each time series kept in the file
+INFERENCE_LATEST = ("replica", "leader", "running", "waiting", "swapped", "blocks_total",
+                    "blocks_used", "blocks_free", "blocks_shared", "kv_utilisation")
 _KERNEL_FILE = re.compile(r"kernel-(?P<id>[^/\\]+)\.json")
 POOL_ID = re.compile(r"[0-9a-f]{12}")
 
@@ -90,7 +96,7 @@ def _cell_block(history: RunHistory, running: bool) -> dict[str, Any]:
     """The cell's telemetry as the dashboard page draws it: series plus latest per rank."""
     points = history.points[-SERIES_POINTS:]
     latest = {}
-    offloads = history.offloads()
+    offloads, inferences = history.offloads(), history.inferences()
     for rank, snap in history.latest.items():
         latest[str(rank)] = {
             "steps": snap.get("steps", 0),
@@ -101,6 +107,9 @@ def _cell_block(history: RunHistory, running: bool) -> dict[str, Any]:
             "p2p_bytes": {a: c.get("sent", 0) for a, c in snap.get("p2p_by_axis", {}).items()},
             # model-state bytes per tier of an offloading rank, else None
             "offload_tiers": dict(offloads[rank]["tiers"]) if rank in offloads else None,
+            # an engine's queue and KV blocks on this rank (its replica's), else None
+            "inference": {k: inferences[rank].get(k) for k in INFERENCE_LATEST}
+            if rank in inferences else None,
         }
     return {
         "label": history.label, "ranks": history.ranks, "running": running,
@@ -116,7 +125,8 @@ def _cell_block(history: RunHistory, running: bool) -> dict[str, Any]:
                                  for p in points] for axis in history.axes("p2p_by_axis")},
         },
         "stages": _stages_block(history),
-        "offload": _offload_block(history),
+        "offload": _panel_block(history, offload_traces, offload_layout),
+        "inference": _panel_block(history, inference_traces, inference_layout),
     }
 
 
@@ -132,15 +142,17 @@ def _stages_block(history: RunHistory) -> dict[str, Any] | None:
     return {"title": stage_title(timelines), "xaxis": xaxis, "yaxis": yaxis, "traces": traces}
 
 
-def _offload_block(history: RunHistory) -> dict[str, Any] | None:
-    """The offload panel as ready plotly traces and layout (the notebook's, from
-    ``offload.py``), its series bounded like the others; None while nothing offloaded."""
-    traces = offload_traces(history, last=SERIES_POINTS)
-    if not traces:
+def _panel_block(history: RunHistory, traces: Callable[..., dict[str, dict[str, Any]]],
+                 layout: Callable[[RunHistory], dict[str, Any]]) -> dict[str, Any] | None:
+    """A panel (offload, inference) as ready plotly traces and layout, the notebook's own
+    (``offload.py``, ``inference.py``), its series bounded like the others; None while the
+    cell has no data for it."""
+    data = traces(history, last=SERIES_POINTS)
+    if not data:
         return None
-    layout = offload_layout(history)
-    return {"title": layout["title"]["text"], "layout": layout,
-            "traces": [{"name": name, **props} for name, props in traces.items()]}
+    panel_layout = layout(history)
+    return {"title": panel_layout["title"]["text"], "layout": panel_layout,
+            "traces": [{"name": name, **props} for name, props in data.items()]}
 
 
 class PoolStateFile:

@@ -1,11 +1,12 @@
 // The live dashboard page: poll the pool's JSON and redraw four plotly charts, one more when
-// the cell runs a pipeline and one more when its model offloads. Memory per tier and the
-// step-time split are per rank (latest values); tokens/s per rank and bytes per mesh axis
-// (collectives, and point-to-point bytes sent, dotted) are time series of the running (or
-// last) %%colossal cell. The pipeline stage timeline and the offload panel (model state per
-// tier, bytes moved between tiers per step) come as ready traces (workbench/dashboard/
-// timeline.py and offload.py build them for the notebook's figures too), so this page only
-// lays them out.
+// the cell runs a pipeline, one more when its model offloads and one more when an inference
+// engine generates. Memory per tier and the step-time split are per rank (latest values);
+// tokens/s per rank and bytes per mesh axis (collectives, and point-to-point bytes sent,
+// dotted) are time series of the running (or last) %%colossal cell. The pipeline stage
+// timeline, the offload panel (model state per tier, bytes moved between tiers per step) and
+// the inference panel (generated tokens/s, the queue, KV blocks per replica) come as ready
+// traces (workbench/dashboard/timeline.py, offload.py and inference.py build them for the
+// notebook's figures too), so this page only lays them out.
 (function () {
   'use strict';
   const cfg = window.COLOSSAL;
@@ -69,7 +70,8 @@
     Plotly.react('comm', comm, layout('bytes communicated per axis', 'bytes',
       { xaxis: { title: { text: 'seconds into the cell' } } }), plotConfig);
     renderStages(cell ? cell.stages : null);
-    renderOffload(cell ? cell.offload : null);
+    renderPanel('offload', cell ? cell.offload : null);
+    renderPanel('inference', cell ? cell.inference : null);
 
     let text = doc.world_size + ' ranks, ' + stateLabel(doc);
     if (doc.error) { text += ' (' + doc.error + ')'; }
@@ -94,17 +96,17 @@
     }), plotConfig);
   }
 
-  // Model state per tier per rank (bars, left) and moved bytes and evictions per step (right):
-  // the layout carries both plots' axes; hidden when no model offloaded in the cell.
-  function renderOffload(offload) {
-    const el = document.getElementById('offload');
-    el.hidden = !offload;
-    if (!offload) { return; }
-    Plotly.react('offload', offload.traces, Object.assign(layout(offload.title, ''),
-      offload.layout, {
-        margin: { l: 60, r: 60, t: 40, b: 70 },
-        legend: { orientation: 'h', y: -0.2, traceorder: 'normal' }
-      }), plotConfig);
+  // A panel whose layout carries its plots' axes (domains): the offload panel (model state per
+  // tier per rank, moved bytes and evictions per step) and the inference panel (tokens/s and
+  // the queue over time, KV blocks per replica); hidden when the cell has no data for it.
+  function renderPanel(id, panel) {
+    const el = document.getElementById(id);
+    el.hidden = !panel;
+    if (!panel) { return; }
+    Plotly.react(id, panel.traces, Object.assign(layout(panel.title, ''), panel.layout, {
+      margin: { l: 60, r: 60, t: panel.title.includes('<br>') ? 60 : 40, b: 70 },
+      legend: { orientation: 'h', y: -0.2, traceorder: 'normal' }
+    }), plotConfig);
   }
 
   async function tick() {
