@@ -21,6 +21,7 @@ import importlib.util
 import os
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,6 +175,7 @@ SLURM_TEMPLATE = """#!/bin/sh
 #SBATCH --export=ALL
 #SBATCH --job-name=colossal-{{cluster_id}}
 #SBATCH --ntasks={{n}}
+#SBATCH --output={{output_file}}
 {options}
 srun {{program_and_args}}
 """
@@ -191,3 +193,7 @@ def _configure_slurm(cls: Any, spec: LauncherSpec) -> None:
     lines = "\n".join(f"#SBATCH {o.replace('{', '{{').replace('}', '}}')}"
                       for o in spec.options)
     cls.batch_template = SLURM_TEMPLATE.format(options=lines)
+    # ipyparallel writes the script into the working directory (the notebook's folder);
+    # a private temporary folder keeps it out of the user's files
+    cls.batch_file_name = os.path.join(tempfile.mkdtemp(prefix="colossal-slurm-"),
+                                       "engines.sbatch")
