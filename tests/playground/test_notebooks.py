@@ -76,7 +76,7 @@ def test_checkpoint_and_resume_continues_the_losses_under_another_plan(tmp_path,
     nb = run_notebook(NOTEBOOKS / "03_checkpoint_and_resume.ipynb", timeout_s=600, echo=echo,
                       workdir=tmp_path)
     text = echo.getvalue()
-    assert re.search(r"^\s+1\s+\d+\s+\S+\s+\d+\s+cpu\s+gloo\s+dead\b", text, re.M), text
+    assert re.search(r"^\s+1\s+\d+\s+\S+\s+\d+\s+\d+\s+cpu\s+gloo\s+dead\b", text, re.M), text
     assert "colossal: 2 ranks on gloo restarted" in text
     assert "loaded step 15 saved under 'dp=2 zero_stage=2'; now 'dp=2 zero_stage=3'" in text
     assert text.count("matches the manifest") == 2
