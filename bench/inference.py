@@ -24,7 +24,7 @@ import statistics
 from bench.table import print_table
 
 FULL = dict(requests=96, vocab=8192, context=1024, hidden=256, layers=4, heads=4, batch=16,
-            batch_tokens=256, kv_mem="48MiB", prompt_log_mean=4.6, output_log_mean=3.9,
+            batch_tokens=256, kv_mem="48MiB", prompt_log_mean=5.07, output_log_mean=4.6,
             max_prompt=512, max_output=384, system_prompt=256, seed=0)
 QUICK = dict(FULL, requests=16, vocab=512, context=256, hidden=64, layers=2, heads=2, batch=4,
              batch_tokens=64, kv_mem="2MiB", prompt_log_mean=3.5, output_log_mean=2.8,

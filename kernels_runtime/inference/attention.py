@@ -65,17 +65,18 @@ def paged_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
         raise RuntimeError("paged attention runs only inside an inference engine step")
     batch = layer.batch
     cache_k, cache_v = layer.cache.layer(layer.index)  # (Hkv, slots, d)
-    cache_k[:, batch.slots] = key[0].to(cache_k.dtype)  # the step's new keys, (Hkv, T, d)
-    cache_v[:, batch.slots] = value[0].to(cache_v.dtype)
+    cache_k.index_copy_(1, batch.slots, key[0].to(cache_k.dtype))  # the step's new (Hkv, T, d)
+    cache_v.index_copy_(1, batch.slots, value[0].to(cache_v.dtype))
     q_all = query[0]  # (H, T, d)
-    out = torch.empty_like(q_all)  # (H, T, d)
-    for span in batch.spans:
+    parts = []
+    for span in batch.spans:  # in row order: their outputs concatenate to the step's rows
         if span.first_slot is not None:  # consecutive blocks: a view, read in place
             keys = slice(span.first_slot, span.first_slot + span.length)
         else:
             keys = span.slots
-        out[:, span.rows] = _attend(q_all[:, span.rows], cache_k[:, keys], cache_v[:, keys],
-                                    span.mask, scaling)
+        parts.append(_attend(q_all[:, span.rows], cache_k[:, keys], cache_v[:, keys],
+                             span.mask, scaling))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (H, T, d)
     return out.transpose(0, 1)[None], None  # (1, T, H, d)
 
 

@@ -84,6 +84,18 @@ class BlockPool:
         self.claimed[owner] = run
         return self._take(start)
 
+    def allocate_run(self, owner: int, n: int, expect: int) -> list[int] | None:
+        """``n`` consecutive free blocks for ``owner``, claiming the run on to ``expect`` where
+        it is free; None when no free run is that long."""
+        start, length = self._free_run(max(n, expect))
+        if start is None or length < n:
+            return None
+        self.unclaim(owner)
+        run = list(range(start + n, start + min(length, expect)))
+        self.claims.update(dict.fromkeys(run, owner))
+        self.claimed[owner] = run
+        return [self._take(b) for b in range(start, start + n)]
+
     def unclaim(self, owner: int) -> None:
         for block in self.claimed.pop(owner, ()):
             if self.claims.get(block) == owner:

@@ -121,7 +121,35 @@ class Scheduler:
             self.waiting.popleft()
             self._run(seq, n, step)
             budget -= n
+        self._compact(step)
         return step
+
+    def _compact(self, step: ScheduledStep, most: int = 4) -> None:
+        """Move up to ``most`` running sequences whose blocks are scattered (their keys are
+        gathered every step) into runs of consecutive blocks (read in place from then on):
+        one copy instead of a gather per step. Last in the step, and the old blocks freed
+        only after every move, so no block is both copied from and to in one step. Sequences
+        holding shared blocks stay where they are (moving would unshare them), and so do those
+        whose blocks are filled by this step's copies or swap-ins (not there yet to move)."""
+        freed: list[int] = []
+        filling = {dst for _, dst in step.copies}
+        filling.update(b for _, blocks in step.swap_in for b in blocks)
+        for seq in self.running:
+            if most == 0:
+                break
+            blocks = seq.blocks
+            if len(blocks) < 2 or blocks == list(range(blocks[0], blocks[0] + len(blocks))) \
+                    or any(self.pool.refs[b] > 1 or b in filling for b in blocks):
+                continue
+            expect = self.blocks_needed(seq.total_len_bound())
+            run = self.pool.allocate_run(id(seq), len(blocks), expect)
+            if run is None:
+                continue
+            step.copies += list(zip(blocks, run))
+            freed += blocks
+            seq.blocks = run
+            most -= 1
+        self.pool.release_all(freed)
 
     def finish_chunks(self, step: ScheduledStep) -> None:
         """After the forward: the chunks' keys and values are in the cache."""
