@@ -132,8 +132,8 @@ def test_a_host_with_another_workbench_version_is_refused_at_start(kernel, hosts
     env_file = hosts.b.home / ".ssh" / "environment"  # sshd's per-user environment on b
     env_file.write_text(f"PYTHONPATH={old}\n")
     try:
-        refused = kernel.run(f"%colossal start -n 4 --launcher ssh --hosts {hosts.a.name}:2,"
-                             f"{hosts.b.name}:2 --controller-ip {hosts.a.addr}", timeout_s=240)
+        refused = kernel.run(f"%colossal start -n 2 --launcher ssh --hosts {hosts.a.name}:1,"
+                             f"{hosts.b.name}:1 --controller-ip {hosts.a.addr}", timeout_s=240)
     finally:
         env_file.unlink()
     print(refused.evalue)
