@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from kernels_runtime.memory.deferred_step import DeferredSteps
 from kernels_runtime.memory.tiers import Payload, Tier
 from kernels_runtime.mesh.plan import AXES
 from kernels_runtime.mesh.shards import flat_range_boxes
@@ -27,7 +28,7 @@ from kernels_runtime.optim import PARAM, GradShard, GradSync, StatePiece
 from kernels_runtime.optim.state import layout_replica
 
 
-class ChunkStep(GradSync):
+class ChunkStep(DeferredSteps, GradSync):
     """The step half of ``ChunkGradSync`` (which sets the attributes used here)."""
 
     def _init_step(self) -> None:
@@ -36,6 +37,7 @@ class ChunkStep(GradSync):
         self.host_left: list[float] | None = None
         self._pinned: list[Payload] = []
         self.optimizer_seconds = 0.0  # in the inner optimizer's arithmetic, cumulative
+        self._init_deferred()
 
     def micro_batch(self):  # noqa: ANN201 - a context manager
         """Measure what the micro-batch keeps for backward: the device reserve under ``auto``
@@ -46,6 +48,7 @@ class ChunkStep(GradSync):
 
     # ---- gradients as the boosted optimizer sees them -------------------------------------
     def master_grads(self) -> list[GradShard]:
+        self.complete_step()
         self.finish()
         out = []
         for c in self.chunks:
@@ -65,7 +68,7 @@ class ChunkStep(GradSync):
         if sq is None:
             grad = self.grad[i]
             if grad.tier == Tier.DISK:  # spilled by someone other than the placement
-                self.placer.bring(grad, Tier.HOST)
+                self.placer.bring(grad, Tier.HOST, reads_only=True)
             sq = self._sumsq[i] = torch.dot(grad.handle, grad.handle)
         return sq
 
@@ -81,6 +84,8 @@ class ChunkStep(GradSync):
 
     def zero_grads(self) -> None:
         for i, grad in enumerate(self.grad):
+            if self.is_deferred(i):  # its pending step consumes it
+                continue
             if grad is not None:
                 self.placer.forget(grad)
                 self.store.free(grad, recycle=True)
@@ -101,15 +106,20 @@ class ChunkStep(GradSync):
         return [p for p in found if p is not None]
 
     def optimizer_step(self, inner: torch.optim.Optimizer) -> None:
+        self.complete_step()
         self.finish()
         self.unpin()
         self.store.cancel_uploads()  # device copies of parameters about to change
+        self.store.drop_reads()  # read-aheads for a use that did not come
         order = [c.index for c in self.chunks if self.grad[c.index] is not None]
-        for k, i in enumerate(order):
-            if k + 1 < len(order):
-                for p in self._step_payloads(order[k + 1]):
-                    self.placer.prefetch(p)
+        later = [i for i in order if self._defers(i)]  # stepped at their next use
+        now = [i for i in order if i not in later]
+        for k, i in enumerate(now):
+            if k + 1 < len(now):
+                self._prefetch_step(now[k + 1])
             self._step_chunk(inner, i)
+        if later:
+            self._defer(inner, later)
         self._scale = None
         self.placer.end_step()
         self.activations.end_step()
@@ -125,7 +135,10 @@ class ChunkStep(GradSync):
         self.store.settle()
         self.store.reset_step_counters()
 
-    def _step_chunk(self, inner: torch.optim.Optimizer, i: int) -> None:
+    def _step_chunk(self, inner: torch.optim.Optimizer, i: int,
+                    keep_params: bool = False) -> None:
+        """Step chunk ``i`` where its master lives; ``keep_params``: the parameters just
+        published stay where they are (a forward gathers them next)."""
         where = self._step_tier(i)
         payloads = self._step_payloads(i)
         for p in payloads:
@@ -146,7 +159,7 @@ class ChunkStep(GradSync):
         self.optimizer_seconds += time.perf_counter() - start
         master.handle.grad = None
         self._adopt_states(inner, i)
-        self._publish(i)
+        self._publish(i, keep=keep_params)
         for p in [master, *self.states[i].values()]:
             self.placer.in_use.discard(p.key)
             self.placer.settle(p)
@@ -182,39 +195,46 @@ class ChunkStep(GradSync):
             return Tier.HOST
         return Tier.DISK
 
-    def _publish(self, i: int) -> None:
+    def _publish(self, i: int, keep: bool = False) -> None:
         """Updated master -> the parameters: the whole chunk all-gathered from every rank's
-        shard (zero 2), or this rank's shard copied (zero 3 in 16 bit)."""
+        shard (zero 2), or this rank's shard copied (zero 3 in 16 bit). ``keep``: the
+        parameters stay where they were published (used next) instead of going home."""
         param, master = self.param[i], self.master[i]
         if param is master:
             return
         was_in_use = master.key in self.placer.in_use
         self.placer.in_use.update((param.key, master.key))
         if master.tier == Tier.DISK:
-            self.placer.bring(master, Tier.HOST)
+            self.placer.bring(master, Tier.HOST, reads_only=True)
         if self._is_whole(i):
-            self.placer.bring(param, Tier.DEVICE)
-            mine = master.handle.to(param.handle.device, self.dtype)  # (padded/dp,)
+            self.placer.bring(param, Tier.DEVICE, overwrites=True)
+            # (padded/dp,); from pinned memory the copy to a GPU is queued, not waited for
+            mine = master.handle.to(param.handle.device, self.dtype,
+                                    non_blocking=master.handle.is_pinned())
             if self.dp > 1:
                 self.ctx.comm.all_gather(param.handle, mine, group=self.ctx.dp_group)
             else:
                 param.handle.copy_(mine)
         else:
-            self.placer.bring(param, Tier.DEVICE if master.tier == Tier.DEVICE else Tier.HOST)
+            self.placer.bring(param, Tier.DEVICE if master.tier == Tier.DEVICE else Tier.HOST,
+                              overwrites=True)
             param.handle.copy_(master.handle)
         self.placer.in_use.discard(param.key)
         if not was_in_use:
             self.placer.in_use.discard(master.key)
             self.placer.settle(master)
-        self.placer.settle(param)
+        if not keep:
+            self.placer.settle(param)
 
     def publish(self) -> None:
+        self.complete_step()
         for c in self.chunks:
             self._publish(c.index)
 
     def materialize_state(self, inner: torch.optim.Optimizer) -> None:
         """Create the optimizer's states of every chunk without changing anything (a step with
         zero gradients at learning rate 0), so loading has tensors to fill."""
+        self.complete_step()
         if all(self.states[c.index] for c in self.chunks):
             return
         self.unpin()
@@ -254,6 +274,7 @@ class ChunkStep(GradSync):
     def pieces(self, saving: bool, optimizer: torch.optim.Optimizer | None) -> list[StatePiece]:
         """Masters and states as pieces; disk-resident ones are read back into host memory
         first (they return to their tier at their next use)."""
+        self.complete_step()
         out = []
         for c in self.chunks:
             i = c.index
@@ -290,8 +311,10 @@ class ChunkStep(GradSync):
             self.placer.enforce()
 
     def after_load(self) -> None:
-        """The loaded values are in the pinned payloads: back under the budgets, then into the
-        parameters."""
+        """The loaded values are in the pinned payloads (so their files are no copies any
+        more): back under the budgets, then into the parameters."""
+        for p in self._pinned:
+            self.store.modified(p)
         self.unpin()
         self.publish()
 

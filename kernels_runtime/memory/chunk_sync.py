@@ -116,6 +116,7 @@ class ChunkGradSync(ChunkStep):
         values = shard if self.stage == 3 else flat
         param = self.store.allocate(f"c{c.index}.param", values.numel(), self.dtype, Tier.DEVICE)
         param.handle.copy_(values)
+        param.viewed = True  # the parameters point into it while gathered
         if self._param_is_master():
             master = param
         else:
@@ -208,11 +209,18 @@ class ChunkGradSync(ChunkStep):
         self._prefetch_unit(u + 1)
 
     def _prefetch_unit(self, u: int) -> None:
-        """The parameters of the unit computed next start for the device on a side stream
-        while this one computes (a GPU; on the host the tiers are one memory)."""
+        """The parameters of the unit computed next start coming while this one computes:
+        read back from disk on the disk store's threads, or copied from the host to the device
+        on a side stream (a GPU; on the host the tiers are one memory)."""
         if 0 <= u < len(self.units):
             for i in self.units[u].chunks:
-                self.placer.prefetch_to_device(self.param[i])
+                param = self.param[i]
+                if self.is_deferred(i) or i in self._reduced or i in self._gathered:
+                    continue  # published anew before its use, done with, or here already
+                if param.tier == Tier.DISK:
+                    self.placer.prefetch(param)
+                else:
+                    self.placer.prefetch_to_device(param)
 
     def _after_forward(self, u: int, output) -> None:
         for i in self.units[u].chunks:
@@ -247,11 +255,12 @@ class ChunkGradSync(ChunkStep):
         """Chunk ``i`` computing: its parameters views of a whole chunk on the device."""
         if i in self._gathered:
             return
+        self.step_deferred(i, gathering=True)  # its last step, if still pending, first
         self._gathered.add(i)
         c, param = self.chunks[i], self.param[i]
         self.placer.touch(param.key)
         self.placer.in_use.add(param.key)
-        self.placer.bring(param, Tier.DEVICE)
+        self.placer.bring(param, Tier.DEVICE, reads_only=True)
         if self._is_whole(i):
             c.point_params_at(param.handle)
             return
@@ -301,6 +310,7 @@ class ChunkGradSync(ChunkStep):
 
     def _reduce(self, i: int) -> None:
         """Reduce-scatter chunk ``i``'s gradient into its ``grad`` shard and release it."""
+        self.step_deferred(i)  # a chunk no forward gathered: its pending step owns ``grad``
         self._reduced.add(i)
         c = self.chunks[i]
         buf = self._grad_buf.pop(i, None)

@@ -126,13 +126,19 @@ class Placer:
         return budget - (self.reserve if tier == Tier.DEVICE else 0)
 
     # ---- movement ------------------------------------------------------------------------
-    def bring(self, payload: Payload, tier: Tier) -> None:
-        """Make ``payload`` resident on ``tier`` (device or host), evicting others for room."""
+    def bring(self, payload: Payload, tier: Tier, *, reads_only: bool = False,
+              overwrites: bool = False) -> None:
+        """Make ``payload`` resident on ``tier`` (device or host), evicting others for room.
+        The caller changes its values unless it ``reads_only`` (then a file holding them stays
+        a copy, and evicting it again writes nothing); ``overwrites``: it sets every value, so
+        none is read from disk."""
+        if not reads_only:
+            self.store.modified(payload)
         if payload.tier == tier:
             return
         if payload.tier > tier:
             self.make_room(tier, payload.nbytes, keep={payload.key})
-        self._move(payload, tier)
+        self._move(payload, tier, fill=not overwrites)
 
     def settle(self, payload: Payload) -> None:
         """After a use: a static payload goes back to its home tier."""
@@ -210,9 +216,9 @@ class Placer:
         """Move without budget checks (initial homes)."""
         self._move(payload, tier)
 
-    def _move(self, payload: Payload, tier: Tier) -> None:
+    def _move(self, payload: Payload, tier: Tier, fill: bool = True) -> None:
         if tier == Tier.DISK and self.before_spill is not None:
             self.before_spill(payload)
         self.resident[payload.tier].pop(payload.key, None)
-        self.store.move(payload, tier)
+        self.store.move(payload, tier, fill)
         self.resident[tier][payload.key] = payload

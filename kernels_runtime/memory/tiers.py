@@ -9,26 +9,29 @@ of the spill directory, where ``handle.data`` is an empty tensor.
 ``TierStore`` moves payloads and keeps the accounts the placement decides by: bytes resident per
 tier now and at peak (on a CPU-only machine device and host are the same RAM, so the device
 tier is exactly this account, enforced by the placement as a GPU's capacity would be), bytes
-moved between tiers, evictions, and time the caller waited on movement. Disk writes are
-write-behind (the memory is freed when the write completes; a fetch before that reuses it) and
-disk reads can be started early (``prefetch``), both on the disk store's threads.
+moved between tiers (what was really copied or read and written: an eviction to disk whose
+file still holds the values moves nothing), evictions, and time the caller waited on movement.
+The disk half (write-behind, read-ahead, files kept as copies) is ``disk_traffic.py``. Host
+buffers (and, on a host-only machine, device ones) are allocated aligned for direct I/O
+(``disk_io.aligned_empty``), so the disk reads and writes them in place.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from kernels_runtime.comm.accelerator import Accelerator
+from kernels_runtime.memory.buffer_pool import BufferPool
+from kernels_runtime.memory.disk_io import aligned_empty
+from kernels_runtime.memory.disk_traffic import DiskTraffic
 
-WRITE_BEHIND_BYTES = 64 * 2**20  # the most spilled bytes still held in memory while written
+HOST_POOL_BYTES = 64 * 2**20  # freed host buffers kept for reuse (a host-only machine)
 
 
 class Tier(enum.IntEnum):
@@ -49,13 +52,15 @@ class Payload:
     handle: torch.Tensor = field(repr=False)
     tier: Tier = Tier.DEVICE
     persistent: bool = True  # model state (False: a transient working buffer)
+    copy_on_disk: bool = False  # its spill file holds its current values (``disk_traffic.py``)
+    viewed: bool = False  # parameters are views of it: autograd may hold its memory
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
-class TierStore:
+class TierStore(DiskTraffic):
     """Allocation, movement and accounting of payloads (see the module docstring)."""
 
     def __init__(self, accelerator: Accelerator, disk: Callable[[], object] | None = None,
@@ -72,17 +77,17 @@ class TierStore:
         self.moved: Counter[tuple[str, str]] = Counter()  # bytes (from, to) since reset
         self.evictions = 0
         self.wait_seconds = 0.0
-        self._reads: dict[str, tuple[Future, torch.Tensor]] = {}
-        self._writes: dict[str, tuple[Future, torch.Tensor, Payload]] = {}
+        self._init_disk_traffic()
         self._uploads: dict[str, tuple[torch.Tensor, object]] = {}  # host -> device prefetch
         self.uploads = 0  # prefetches to the device started (a GPU's side stream)
-        self.write_behind_bytes = WRITE_BEHIND_BYTES
         self.activations = 0  # device bytes that are not model state (the placement's reserve)
         self.total_peak = 0  # of device model state, working buffers and activations together
-        # freed device buffers kept for the next allocation of their size (``recycle``)
+        # freed buffers kept for the next allocation of their size (``buffer_pool.py``): on the
+        # device under ``recycle``, charged as working memory and dropped before any eviction;
+        # in (unpinned) host memory up to ``HOST_POOL_BYTES``, outside the tiers' accounts
         self.recycle = False
-        self._spares: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-        self.spare_bytes = 0
+        self._spares = BufferPool(limit=None)
+        self.host_pool = BufferPool(limit=0 if accelerator.pin_memory else HOST_POOL_BYTES)
 
     # ---- accounting ----------------------------------------------------------------------
     def _add(self, tier: Tier, nbytes: int, working: bool = False) -> None:
@@ -128,12 +133,18 @@ class TierStore:
 
     # ---- allocation ----------------------------------------------------------------------
     def _empty(self, numel: int, dtype: torch.dtype, tier: Tier) -> torch.Tensor:
+        """Uninitialised memory on ``tier``: a recycled buffer of this size if one is kept."""
         if tier == Tier.DEVICE:
-            spare = self._take_spare(numel, dtype)
+            spare = self._spares.take(numel, dtype)
             if spare is not None:
+                self._sub(Tier.DEVICE, spare.numel() * spare.element_size(), working=True)
                 return spare
-            return torch.empty(numel, dtype=dtype, device=self.device)
-        return torch.empty(numel, dtype=dtype, pin_memory=self.accelerator.pin_memory)
+            if self.accelerator.queues_work:
+                return torch.empty(numel, dtype=dtype, device=self.device)
+        kept = self.host_pool.take(numel, dtype)
+        if kept is not None:
+            return kept
+        return aligned_empty(numel, dtype, pin_memory=self.accelerator.pin_memory)
 
     def device_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled device buffer (a recycled one when there is one of its size); the
@@ -143,42 +154,29 @@ class TierStore:
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self._empty(numel, dtype, Tier.DEVICE)
 
-    # Recycling (a host-only machine under ``auto``): glibc hands every freed buffer larger
-    # than 64 KiB back to the system (``host_malloc.py``), so a chunk-sized buffer allocated
-    # anew every step pays a page fault per 4 KiB page, about as much as all its arithmetic
-    # (measured 40 ms per 100 MB here). Freed device buffers are kept, charged to the device
-    # as working memory, for the next allocation of the same size; the placement drops them
-    # before it evicts anything (``drop_spares``), so they only ever use room nobody needs.
-    # A GPU's caching allocator does this already, so there the store keeps nothing.
-    def _keep_spare(self, tensor: torch.Tensor) -> None:
-        self._spares.setdefault((tensor.numel(), tensor.dtype), []).append(tensor)
-        nbytes = tensor.numel() * tensor.element_size()
-        self.spare_bytes += nbytes
-        self._add(Tier.DEVICE, nbytes, working=True)
-
-    def _take_spare(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-        spares = self._spares.get((numel, dtype))
-        if not spares:
-            return None
-        tensor = spares.pop()
-        nbytes = tensor.numel() * tensor.element_size()
-        self.spare_bytes -= nbytes
-        self._sub(Tier.DEVICE, nbytes, working=True)
-        return tensor
+    @property
+    def spare_bytes(self) -> int:
+        return self._spares.nbytes
 
     def drop_spares(self) -> int:
-        """Let the recycled buffers go (room is needed); the bytes they held."""
-        freed = self.spare_bytes
+        """Let the recycled device buffers go (room is needed); the bytes they held."""
+        freed = self._spares.clear()
         self._sub(Tier.DEVICE, freed, working=True)
-        self._spares.clear()
-        self.spare_bytes = 0
         return freed
 
     def release_device_buffer(self, tensor: torch.Tensor) -> None:
-        """A device buffer the caller is done with and nothing else refers to (kept for reuse
-        when recycling)."""
-        if self.recycle and tensor.numel():
-            self._keep_spare(tensor)
+        """A device buffer the caller is done with and nothing else refers to: kept for reuse
+        under ``recycle`` (charged to the device until taken or dropped), else, on a host-only
+        machine, in the host pool."""
+        if self.recycle and self._spares.put(tensor):
+            self._add(Tier.DEVICE, tensor.numel() * tensor.element_size(), working=True)
+        elif not self.accelerator.queues_work:
+            self.host_pool.put(tensor)
+
+    def _release(self, payload: Payload, data: torch.Tensor) -> None:
+        """``data`` held ``payload``'s values and its last user is done with it."""
+        if not payload.viewed and data.device.type == "cpu":
+            self.host_pool.put(data)
 
     def allocate(self, key: str, numel: int, dtype: torch.dtype, tier: Tier,
                  persistent: bool = True) -> Payload:
@@ -200,20 +198,23 @@ class TierStore:
         device memory may serve the next buffer of its size (only for a tensor nothing else
         refers to: a gathered chunk's may still be saved by autograd for backward)."""
         self._settle_write(payload)
+        self._drop_read(payload)
         if self._uploads.pop(payload.key, None) is not None:
             self._sub(Tier.DEVICE, payload.nbytes)
-        if payload.tier == Tier.DISK:
-            self.disk.delete(payload.key)
+        payload.copy_on_disk = False  # its file stays, for the next payload of its key
         self._sub(payload.tier, payload.nbytes, working=not payload.persistent)
         if recycle and payload.tier == Tier.DEVICE:
             self.release_device_buffer(payload.handle.data)
+        elif recycle and payload.tier == Tier.HOST:
+            self._release(payload, payload.handle.data)
         payload.handle.data = torch.empty(0, dtype=payload.dtype)
         payload.tier = Tier.DEVICE
         payload.numel = 0
 
     # ---- movement ------------------------------------------------------------------------
-    def move(self, payload: Payload, tier: Tier) -> None:
-        """Make ``payload`` resident on ``tier`` (waiting for what it needs)."""
+    def move(self, payload: Payload, tier: Tier, fill: bool = True) -> None:
+        """Make ``payload`` resident on ``tier`` (waiting for what it needs). ``fill=False``:
+        the caller overwrites every value next, so none is read from disk."""
         if payload.tier == tier:
             return
         source = payload.tier
@@ -221,28 +222,39 @@ class TierStore:
         if upload is not None and tier != Tier.DEVICE:  # prefetched, then sent elsewhere
             self._sub(Tier.DEVICE, payload.nbytes)
             upload = None
-        data = self._read_back(payload) if source == Tier.DISK else payload.handle.data
-        self.moved[(source.label, tier.label)] += payload.nbytes
+        moved = payload.nbytes
+        if source == Tier.DISK:
+            data, moved = self._read_back(payload, fill)
+            if not fill:
+                payload.copy_on_disk = False
+        else:
+            data = payload.handle.data
         if tier > source:
             self.evictions += 1
         if upload is not None:  # copied on the side stream: the compute stream waits for it
             self.accelerator.wait_copy(*upload)
-            payload.handle.data = upload[0]  # its device bytes were charged at the prefetch
+            payload.handle.data = upload[0]
+            self._sub(tier, payload.nbytes)  # its device bytes were charged at the prefetch
         elif tier == Tier.DISK:
-            host = data if data.device.type == "cpu" else self._to_host(data)
-            self._writes[payload.key] = (self.disk.write(payload.key, host), host, payload)
+            host = data if data.device.type == "cpu" or payload.copy_on_disk \
+                else self._to_host(data)
+            moved = self._write_behind(payload, host)
+            if not moved:  # its file holds the values: the memory is free now
+                self._release(payload, data)
             payload.handle.data = torch.empty(0, dtype=payload.dtype)
-            self._add(Tier.DISK, payload.nbytes)
+        elif data is None:  # overwritten next: new memory, nothing read
+            payload.handle.data = self._empty(payload.numel, payload.dtype, tier)
         elif (source == Tier.DISK and tier == Tier.HOST) or not self.accelerator.queues_work:
             # the read buffer is host memory already; on a host-only machine the device tier is
             # the same memory, so moving between it and the host is a change of account
             payload.handle.data = data
-            self._add(tier, payload.nbytes)
         else:
             target = self._empty(payload.numel, payload.dtype, tier)
             target.copy_(data, non_blocking=tier == Tier.DEVICE)
             payload.handle.data = target
-            self._add(tier, payload.nbytes)
+        if moved:
+            self.moved[(source.label, tier.label)] += moved
+        self._add(tier, payload.nbytes)
         self._sub(source, payload.nbytes)
         payload.tier = tier
         if tier == Tier.DISK:
@@ -271,94 +283,3 @@ class TierStore:
             self._sub(Tier.DEVICE, target.nbytes)
             freed += target.nbytes
         return freed
-
-    def prefetch(self, payload: Payload) -> None:
-        """Start reading a disk payload back into host memory (no wait)."""
-        if payload.tier != Tier.DISK or payload.key in self._reads:
-            return
-        if payload.key in self._writes:  # still in memory: the fetch will reuse it
-            return
-        buffer = self._empty(payload.numel, payload.dtype, Tier.HOST)
-        self._reads[payload.key] = (self.disk.read(payload.key, buffer), buffer)
-        self._add(Tier.HOST, payload.nbytes)  # the read buffer is host memory from now on
-
-    def _read_back(self, payload: Payload) -> torch.Tensor:
-        written = self._writes.pop(payload.key, None)
-        if written is not None:  # write-behind not collected yet: its memory still holds it
-            self._collect(written)
-            self.disk.delete(payload.key)
-            return written[1]
-        self.prefetch(payload)
-        future, buffer = self._reads.pop(payload.key)
-        self._wait(future)
-        self._sub(Tier.HOST, payload.nbytes)  # re-charged by the move to its new tier
-        self.disk.delete(payload.key)  # the spill folder holds exactly the disk tier
-        return buffer
-
-    def _wait(self, future: Future) -> None:
-        start = time.perf_counter()
-        try:
-            if not future.done():
-                with self._waiting():
-                    future.result()
-            future.result()
-        finally:
-            self.wait_seconds += time.perf_counter() - start
-
-    def _collect(self, written: tuple[Future, torch.Tensor, Payload]) -> None:
-        """Wait for a write-behind. If it failed, the payload is back in host memory (its values
-        were still there) before the error is raised: a spill that did not complete loses
-        nothing and is never read as complete."""
-        future, host, payload = written
-        try:
-            self._wait(future)
-        except OSError:
-            self._restore(host, payload)
-            for key in list(self._writes):  # the other writes in flight may fail the same way
-                other = self._writes.pop(key)
-                try:
-                    self._wait(other[0])
-                except OSError:
-                    self._restore(*other[1:])
-            raise
-
-    def _restore(self, host: torch.Tensor, payload: Payload) -> None:
-        if payload.tier == Tier.DISK:
-            payload.handle.data = host
-            payload.tier = Tier.HOST
-            self._sub(Tier.DISK, payload.nbytes)
-            self._add(Tier.HOST, payload.nbytes)
-
-    def _reap(self) -> None:
-        """Release the memory of completed write-behinds, and wait for the oldest while more
-        than ``write_behind_bytes`` are in flight: spilling must not hold what it spilled."""
-        pending = 0
-        for key, (future, _host, payload) in reversed(list(self._writes.items())):
-            pending += payload.nbytes
-            if future.done() or pending > self.write_behind_bytes:
-                self._collect(self._writes.pop(key))
-
-    def _settle_write(self, payload: Payload) -> None:
-        written = self._writes.pop(payload.key, None)
-        if written is not None:
-            self._collect(written)
-
-    def settle(self) -> None:
-        """Wait for every write-behind (their memory is released) and surface any error."""
-        failed = None
-        for key in list(self._writes):
-            try:
-                self._collect(self._writes.pop(key))
-            except OSError as err:
-                failed = failed or err
-        if failed is not None:
-            raise failed
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):  # closing (the model is gone): nothing to keep
-            self.settle()
-        for future, _ in self._reads.values():
-            future.cancel()
-        self._reads.clear()
-        if self._disk is not None:
-            self._disk.close()

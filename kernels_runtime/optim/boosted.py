@@ -125,6 +125,7 @@ class BoostedOptimizer:
 
     def scalar_state(self) -> dict[str, Any]:
         """Step counters and loss scale: small, identical on every rank, saved as JSON."""
+        self.sync.complete_step()
         groups = []
         for group in self.inner.param_groups:
             state = self.inner.state.get(group["params"][0], {}) if group["params"] else {}

@@ -84,6 +84,11 @@ class GradSync(ABC):
         for s in shards:
             s.tensor.mul_(factor)
 
+    def complete_step(self) -> None:  # noqa: B027 - optional hook
+        """Finish whatever part of the last optimizer step is still pending, before the inner
+        optimizer's state is read (offload defers a disk chunk's step to its next use,
+        ``memory/deferred_step.py``)."""
+
     def optimizer_step(self, inner: torch.optim.Optimizer) -> None:
         """The inner optimizer's step on the masters, then the parameters published; a
         strategy that streams its masters through memory steps them piece by piece."""

@@ -15,7 +15,7 @@ dtype's bytes:
 | payload | zero 2 | zero 3 |
 |---|---|---|
 | param | e.p (whole) | e.p/N (shard) |
-| master | 4p/N | 4p/N, none in fp32 (the param shard is the master) |
+| master | 4p/N (none in fp32 at N=1 under auto) | 4p/N, none in fp32 (the param shard is it) |
 | grad | 4p/N | 4p/N |
 | states (AdamW m, v) | 8p/N | 8p/N |
 
@@ -28,7 +28,8 @@ not in it); the host holds at most ``host_mem`` of what leaves, the rest is on d
 
 Device peak = state homed on the device + the working set: the largest unit gathered whole on
 the device (what is not there already) with its fp32 gradient buffer (the runtime's own
-``floor``) + activations. Gradients peak at the end of backward, when every chunk has one.
+``floor``) + activations. Gradients peak at the end of backward, when every chunk has one. At
+one data rank the reduced buffer itself becomes the gradient shard (nothing in passage).
 
 Bytes moved per step (every micro-batch's forward and backward; ``tiers.TierStore.moved``):
 an off-device parameter chunk travels to the device before each forward use (a tied embedding
@@ -37,7 +38,12 @@ each; a gradient goes to its home after the first micro-batch's backward and com
 returns for each later one; at the step a gradient, master and states not already where the
 master steps (the device if the master's home is the device, else the host) are brought there;
 disk-homed ones are read once and written back once; publishing the updated master to a whole
-(zero 2) parameter brings an off-device parameter to the device and back.
+(zero 2) parameter brings an off-device parameter to the device and back. A disk file outlives
+its read-back while the values are unchanged (``memory/disk_traffic.py``): a disk-homed
+parameter is read for each use but written once per step (after the publish, which reads
+nothing: it overwrites); under static placement a chunk whose step needs the disk is stepped
+right before its next forward (``memory/deferred_step.py``), which then uses the published
+parameters without reading them.
 
 Time. Parameter and gradient moves in forward and backward are exposed: the runtime fetches a
 unit in its forward pre-hook and waits for it (no prefetch during forward/backward), one copy
@@ -135,7 +141,9 @@ class Layout:
         self.st = st
         plan, n = st.plan, st.data_ranks
         self.chunks = chunk_list(st)
-        self.aliased = plan.zero_stage == 3 and plan.precision == "fp32"
+        # ``ChunkGradSync._param_is_master``: one payload when the param is the fp32 shard
+        self.aliased = plan.precision == "fp32" and (
+            plan.zero_stage == 3 or (n == 1 and plan.offload == "auto"))
         e = st.elem
         param_div = n if plan.zero_stage == 3 else 1
         self.bytes = {"param": [e * c.padded / param_div for c in self.chunks],
@@ -192,7 +200,8 @@ class Layout:
                 elif away:
                     gathered += whole
             passing = max((self.bytes["grad"][i] for i in ids
-                           if self.home["grad"][i] != "device"), default=0.0)
+                           if self.home["grad"][i] != "device"), default=0.0) \
+                if st.data_ranks > 1 else 0.0  # at N=1 the buffer becomes the gradient
             grad_buffer = 4 * sum(self.chunks[i].padded for i in ids)
             before = gathered_of[-1] if gathered_of else 0.0
             held = gathered_of[0] if len(gathered_of) >= 2 and st.spec.tied_embeddings else 0.0
@@ -239,8 +248,13 @@ class Layout:
         for i, c in enumerate(self.chunks):
             home, nb = self.home["param"][i], self.bytes["param"][i]
             fetches = m * (uses.count(c.unit) + 1)  # each forward use, and once for backward
-            hop(home, "device", nb, fetches)
-            hop("device", home, nb, fetches)
+            publishes = not self.aliased
+            if home == "disk":  # read per use, written once (the publish changed it)
+                hop(home, "device", nb, fetches - (1 if self.deferred(i) else 0))
+                hop("device", home, nb, 1 if publishes else 0)
+            else:
+                hop(home, "device", nb, fetches)
+                hop("device", home, nb, fetches)
             g_home, g = self.home["grad"][i], self.bytes["grad"][i]
             hop("device", g_home, g, m)  # after each backward's reduction
             hop(g_home, "device", g, m - 1)  # brought back to add the next micro-batch's
@@ -250,7 +264,7 @@ class Layout:
                 k_home, kb = self.home[kind][i], self.bytes[kind][i]
                 hop(k_home, where, kb)
                 hop(where, k_home, kb)
-            if self.aliased:  # the parameter shard is the master: nothing to publish
+            if self.aliased or home == "disk":  # nothing to publish, or overwritten unread
                 continue
             if st.plan.zero_stage == 2 or st.data_ranks == 1:  # publish to a whole parameter
                 hop(home, "device", nb)
@@ -260,6 +274,11 @@ class Layout:
                 hop(home, target, nb)
                 hop(target, home, nb)
         return out
+
+    def deferred(self, i: int) -> bool:
+        """Whether chunk ``i``'s step waits for its next forward (static, disk in its step)."""
+        return self.st.plan.offload == "static" and "disk" in (
+            self.home["grad"][i], self.home["master"][i], self.home["state"][i])
 
     def link_bytes(self, phase: str | None = None) -> dict[str, float]:
         """PCIe (host<->device, including disk<->device copies through host memory), disk read
@@ -279,8 +298,11 @@ class Layout:
             g_home, g = self.home["grad"][i], self.bytes["grad"][i]
             if home != "device":
                 fetches = m * (uses.count(c.unit) + 1)
+                if home == "disk" and self.deferred(i):
+                    fetches -= 1  # the deferred step's publish feeds the first forward
                 out[(home, "device")] = out.get((home, "device"), 0.0) + nb * fetches
-                out[("device", home)] = out.get(("device", home), 0.0) + nb * fetches
+                if home != "disk":  # a disk file is rewritten only after the step
+                    out[("device", home)] = out.get(("device", home), 0.0) + nb * fetches
             if g_home != "device":
                 out[("device", g_home)] = out.get(("device", g_home), 0.0) + g * m
                 out[(g_home, "device")] = out.get((g_home, "device"), 0.0) + g * (m - 1)

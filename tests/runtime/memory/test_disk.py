@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels_runtime.memory import disk as disk_module
+from kernels_runtime.memory import disk_io
 from kernels_runtime.memory.disk import DiskSpillError, DiskStore, measure_disk_bandwidth
 from kernels_runtime.memory.spill import (
     MEMORY_FILESYSTEMS,
@@ -63,11 +63,40 @@ def test_round_trip_keeps_every_bit(store: DiskStore, tensor: torch.Tensor):
     assert not (store.folder / "t.tmp").exists()
 
 
-def test_large_tensors_move_a_cache_window_at_a_time(store: DiskStore, monkeypatch):
-    monkeypatch.setattr(disk_module, "CACHE_WINDOW", 4096)
-    tensor = torch.randn(10_001).to(torch.bfloat16)  # 4 full windows and a partial one
-    store.write("w", tensor).result()
-    assert torch.equal(store.read("w", torch.empty_like(tensor)).result(), tensor)
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "cached"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "bounced"])
+def test_large_tensors_move_a_window_at_a_time(tmp_path: Path, monkeypatch, direct, aligned):
+    """Direct I/O moves a tensor ``aligned_empty`` made in place and any other through a
+    bounce window; without direct I/O a cache window at a time. Several windows and a partial
+    one, bit for bit, the file exactly the tensor's size."""
+    monkeypatch.setattr(disk_io, "WINDOW", 4096)
+    monkeypatch.setattr(disk_io, "CACHE_WINDOW", 4096)
+    values = torch.randn(10_001).to(torch.bfloat16)  # 4 full windows and a partial one
+    tensor = disk_io.aligned_empty(10_001, torch.bfloat16).copy_(values) if aligned else values
+    if direct and not disk_io.direct_io_works(tmp_path):
+        pytest.skip(f"{tmp_path} does not take O_DIRECT")
+    with DiskStore(tmp_path, direct=direct) as store:
+        store.write("w", tensor).result()
+        assert store.nbytes("w") == 20_002
+        out = disk_io.aligned_empty(10_001, torch.bfloat16) if aligned else \
+            torch.empty_like(values)
+        assert torch.equal(store.read("w", out).result(), values)
+        store.write("w", values * 2).result()  # the same size: rewritten in place
+        assert store.in_place == 1 and os.listdir(tmp_path) == ["w"]
+        assert torch.equal(store.read("w", out).result(), values * 2)
+
+
+def test_a_failed_rewrite_in_place_leaves_no_file_to_read(store: DiskStore, monkeypatch):
+    store.write("k", torch.ones(1024)).result()
+
+    def broken(fd: int, tensor: torch.Tensor) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(disk_io, "write_direct", broken)
+    monkeypatch.setattr(disk_io, "write_cached", broken)
+    with pytest.raises(DiskSpillError, match="'k'.*Input/output error"):
+        store.write("k", torch.full((1024,), 2.0)).result()
+    assert not store.contains("k") and os.listdir(store.folder) == []
 
 
 def test_many_keys_concurrently_and_the_counters(store: DiskStore):
@@ -109,7 +138,7 @@ def test_missing_key_and_wrong_size_are_clear_errors(store: DiskStore):
 
 FSIZE_LIMIT = r"""
 import json, resource, sys, torch
-from kernels_runtime.memory import disk as disk_module
+from kernels_runtime.memory import disk_io
 from kernels_runtime.memory.disk import DiskSpillError, DiskStore
 store = DiskStore(sys.argv[1])
 store.write("k", torch.ones(16384)).result()  # 64 KiB: the complete version

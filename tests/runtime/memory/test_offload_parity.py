@@ -43,9 +43,14 @@ def _run(plan: str, world: int, accum: int = 1,
         snap = ctx.telemetry.snapshot()
         assert snap["offload"]["evictions"] - published_before == sum(evictions)
         assert snap["offload"]["tiers"] == tiers and snap["memory"]["disk_spill"] == tiers["disk"]
-        folder = getattr(opt.sync, "spill_folder", None)  # its files are exactly the disk tier
+        # its files are what the store accounts for: the disk tier, copies of payloads read
+        # back unchanged, files kept for a key's next write; at most one per payload
+        folder = getattr(opt.sync, "spill_folder", None)
         files = sum(f.stat().st_size for f in folder.iterdir()) if folder else 0
-        assert files == tiers["disk"], (files, tiers)
+        state = sum(opt.sync.memory_breakdown(opt.inner).values()) \
+            + sum(c.shard_size * 4 for c in opt.sync.chunks)  # and a gradient per chunk
+        assert files == opt.sync.store.file_bytes, (files, opt.sync.store.file_bytes)
+        assert tiers["disk"] <= files <= state, (files, tiers, state)
     params = state_parameters(model)
     return losses, params, evictions, tiers, [max(p) for p in zip(*peaks)]
 

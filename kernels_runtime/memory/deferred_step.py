@@ -1,0 +1,111 @@
+"""A chunk whose optimizer step reads and writes the disk is stepped right before its next use.
+
+Why: on the disk tier the step is disk-bound (a chunk's gradient, master and two Adam states
+read, the master, states and parameters written: 8 bytes moved per byte of parameters), and
+stepping every chunk in ``optimizer.step()`` leaves the disk idle through forward and backward
+and the compute idle through the step. Deferred, chunk ``i``'s step runs when the next forward
+gathers it (or anything else needs it), with the reads of the next chunks' inputs started
+before (``WINDOW`` chunks ahead) and its writes behind, so the disk works while the units
+before compute. The freshly published parameters go straight to that forward: they are not
+written to disk and read back first.
+
+What ``optimizer.step()`` promised still holds for anyone who looks: every path to a chunk's
+parameters, gradient, master or states completes its pending step first (gathering for a
+forward, a reduction of its gradient, ``pieces`` for checkpoints, publishing, a next step,
+``GradSync.complete_step`` before the optimizer's scalar state is read), with the
+hyperparameters (``lr`` ...) and the gradient scale (clipping, fp16) in force at the
+``step()`` call, so a learning-rate schedule stepping in between changes nothing. Only static
+placement defers, and only chunks whose step needs the disk: their placement does not depend
+on the order of use, and everything else gains nothing from waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from kernels_runtime.memory.tiers import Tier
+
+WINDOW = 2  # chunks whose step inputs are being read ahead of the one stepped
+
+
+class DeferredSteps:
+    """The deferred half of ``ChunkStep`` (which sets the attributes used here)."""
+
+    def _init_deferred(self) -> None:
+        self._deferred: list[int] = []  # chunks whose step is pending, in chunk order
+        self._deferred_inner: torch.optim.Optimizer | None = None
+        self._deferred_groups: list[dict] = []  # hyperparameters at the step() call
+        self._deferred_scale: torch.Tensor | float | None = None
+        self.deferred_steps = 0  # chunk steps run deferred (cumulative)
+
+    def _defers(self, i: int) -> bool:
+        if self.placer.mode != "static":
+            return False
+        homes = [self.placer.home[self.master[i].key]]
+        homes += [self.placer.home[p.key] for p in self.states[i].values()]
+        if self.grad_homes:
+            homes.append(self.grad_homes[i])
+        return Tier.DISK in homes
+
+    def is_deferred(self, i: int) -> bool:
+        return i in self._deferred
+
+    def _defer(self, inner: torch.optim.Optimizer, chunks: list[int]) -> None:
+        """Record the step of ``chunks`` as pending (nothing is read yet: between steps the
+        host holds no more than its budget)."""
+        self._deferred = list(chunks)
+        self._deferred_inner = inner
+        self._deferred_groups = [{k: v for k, v in g.items() if k != "params"}
+                                 for g in inner.param_groups]
+        scale = self._scale
+        if isinstance(scale, torch.Tensor):  # read once now, not once per chunk in a forward
+            scale = scale.to("cpu")
+        self._deferred_scale = scale
+
+    def _prefetch_step(self, i: int) -> None:
+        for p in self._step_payloads(i):
+            self.placer.prefetch(p)
+
+    def step_deferred(self, upto: int | None = None, gathering: bool = False) -> None:
+        """Run the pending chunk steps in order until chunk ``upto``'s is done (all of them
+        for None); nothing when ``upto`` has none pending. ``gathering``: ``upto`` is gathered
+        next, so its published parameters stay where they are."""
+        if not self._deferred or (upto is not None and upto not in self._deferred):
+            return
+        inner = self._deferred_inner
+        for i in self._deferred[:WINDOW]:
+            self._prefetch_step(i)
+        with self._hyperparameters(inner):
+            while self._deferred:
+                i = self._deferred.pop(0)
+                if len(self._deferred) >= WINDOW:
+                    self._prefetch_step(self._deferred[WINDOW - 1])
+                scale, self._scale = self._scale, self._deferred_scale
+                try:
+                    self._step_chunk(inner, i, keep_params=gathering and i == upto)
+                finally:
+                    self._scale = scale
+                self.deferred_steps += 1
+                if i == upto:
+                    break
+        if not self._deferred:
+            self._deferred_inner, self._deferred_groups = None, []
+
+    def complete_step(self) -> None:
+        """Every pending chunk step, now (``GradSync.complete_step``)."""
+        self.step_deferred(None)
+
+    @contextlib.contextmanager
+    def _hyperparameters(self, inner: torch.optim.Optimizer) -> Iterator[None]:
+        now = [{k: g[k] for k in snap} for g, snap in zip(inner.param_groups,
+                                                          self._deferred_groups)]
+        for g, snap in zip(inner.param_groups, self._deferred_groups):
+            g.update(snap)
+        try:
+            yield
+        finally:
+            for g, values in zip(inner.param_groups, now):
+                g.update(values)

@@ -1,0 +1,196 @@
+"""Traffic between memory and the disk tier: write-behind, read-ahead, and files kept as copies.
+
+The disk half of ``TierStore`` (``tiers.py``, which sets the attributes used here). Writes are
+write-behind: the memory is released when the write completes, at most ``write_behind_bytes``
+in flight (a fetch before completion reuses it). Reads can start early (``prefetch``) and are
+waited for at the fetch. Both run on the disk store's threads (``disk.py``).
+
+A payload's file outlives its read-back: while the payload's values are unchanged it is a copy
+(``Payload.copy_on_disk``), so evicting the payload again costs no write, only the memory it
+frees (parameters are read for every forward and backward and change once per step: under
+``offload_params`` this halves their disk traffic). Whoever changes a payload's values says so
+first (``TierStore.modified``, which ``Placer.bring`` calls unless told the use only reads);
+the file is then stale and is rewritten in place at the next eviction. A payload's file stays
+when the payload is freed (a gradient after its step), for the next payload of its key to
+rewrite in place, so the spill folder holds at most one file per payload key: exactly
+``file_bytes``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kernels_runtime.memory.tiers import Payload
+
+WRITE_BEHIND_BYTES = 64 * 2**20  # the most spilled bytes still held in memory while written
+
+
+class DiskTraffic:
+    """Write-behind, read-ahead and the files of payloads (module docstring)."""
+
+    def _init_disk_traffic(self) -> None:
+        self._reads: dict[str, tuple[Future, torch.Tensor]] = {}
+        self._writes: dict[str, tuple[Future, torch.Tensor, Payload]] = {}
+        self._files: dict[str, int] = {}  # key -> bytes of its file in the spill folder
+        self.write_behind_bytes = WRITE_BEHIND_BYTES
+        self.writes_skipped = 0  # evictions to disk whose file already held the values
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the spill folder's files: the disk tier, copies of payloads read back and
+        unchanged, and stale files kept for their key's next write."""
+        return sum(self._files.values())
+
+    def modified(self, payload: Payload) -> None:
+        """The caller is about to change ``payload``'s values: its file is no copy any more."""
+        payload.copy_on_disk = False
+
+    def _write_behind(self, payload: Payload, data: torch.Tensor) -> int:
+        """Start writing ``data`` (host memory) as ``payload``'s file unless the file already
+        holds these values; the bytes written."""
+        if payload.copy_on_disk:
+            self.writes_skipped += 1
+            return 0
+        self._writes[payload.key] = (self.disk.write(payload.key, data), data, payload)
+        self._files[payload.key] = payload.nbytes
+        payload.copy_on_disk = True
+        return payload.nbytes
+
+    def prefetch(self, payload: Payload) -> None:
+        """Start reading a disk payload back into host memory (no wait)."""
+        from kernels_runtime.memory.tiers import Tier
+
+        if payload.tier != Tier.DISK or payload.key in self._reads:
+            return
+        if payload.key in self._writes:  # still in memory: the fetch will reuse it
+            return
+        buffer = self._empty(payload.numel, payload.dtype, Tier.HOST)
+        self._reads[payload.key] = (self.disk.read(payload.key, buffer), buffer)
+        self._add(Tier.HOST, payload.nbytes)  # the read buffer is host memory from now on
+
+    def _read_back(self, payload: Payload, fill: bool = True) -> tuple[torch.Tensor | None, int]:
+        """The host memory holding a disk payload's values and the bytes read from disk for
+        it; ``fill=False`` (the caller overwrites every value): no read, and None unless memory
+        is at hand already (a write-behind's, or a read-ahead's once it completed)."""
+        from kernels_runtime.memory.tiers import Tier
+
+        written = self._writes.pop(payload.key, None)
+        if written is not None:  # write-behind not collected yet: its memory still holds it
+            self._collect(written)
+            return written[1], 0
+        if not fill and payload.key not in self._reads:
+            return None, 0
+        self.prefetch(payload)
+        future, buffer = self._reads.pop(payload.key)
+        self._wait(future)  # (without fill: the buffer is being written; let it finish)
+        self._sub(Tier.HOST, payload.nbytes)  # re-charged by the move to its new tier
+        return buffer, payload.nbytes
+
+    def _drop_read(self, payload: Payload) -> None:
+        """A freed payload's read-ahead is not needed."""
+        read = self._reads.pop(payload.key, None)
+        if read is not None:
+            self._let_go(read)
+
+    def drop_reads(self) -> int:
+        """Let every read-ahead go (one for a use that did not come); the bytes they held."""
+        freed = 0
+        for key in list(self._reads):
+            freed += self._let_go(self._reads.pop(key))
+        return freed
+
+    def _let_go(self, read: tuple[Future, torch.Tensor]) -> int:
+        from kernels_runtime.memory.tiers import Tier
+
+        future, buffer = read
+        if not future.cancel():  # running: its buffer is being filled, let it finish
+            with contextlib.suppress(OSError):
+                future.result()
+        nbytes = buffer.numel() * buffer.element_size()
+        self._sub(Tier.HOST, nbytes)
+        return nbytes
+
+    def _wait(self, future: Future) -> None:
+        start = time.perf_counter()
+        try:
+            if not future.done():
+                with self._waiting():
+                    future.result()
+            future.result()
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+
+    def _collect(self, written: tuple[Future, torch.Tensor, Payload],
+                 reuse: bool = False) -> None:
+        """Wait for a write-behind; ``reuse``: its memory may serve the next buffer of its size.
+        If it failed, the payload is back in host memory (its values were still there) before
+        the error is raised: a spill that did not complete loses nothing and is never read as
+        complete."""
+        future, host, payload = written
+        try:
+            self._wait(future)
+            if reuse:
+                self._release(payload, host)
+        except OSError:
+            self._restore(host, payload)
+            for key in list(self._writes):  # the other writes in flight may fail the same way
+                other = self._writes.pop(key)
+                try:
+                    self._wait(other[0])
+                except OSError:
+                    self._restore(*other[1:])
+            raise
+
+    def _restore(self, host: torch.Tensor, payload: Payload) -> None:
+        from kernels_runtime.memory.tiers import Tier
+
+        payload.copy_on_disk = False
+        if self.disk.contains(payload.key):  # a failed write in place removed its file
+            self._files[payload.key] = self.disk.nbytes(payload.key)
+        else:
+            self._files.pop(payload.key, None)
+        if payload.tier == Tier.DISK:
+            payload.handle.data = host
+            payload.tier = Tier.HOST
+            self._sub(Tier.DISK, payload.nbytes)
+            self._add(Tier.HOST, payload.nbytes)
+
+    def _reap(self) -> None:
+        """Release the memory of completed write-behinds, and wait for the oldest while more
+        than ``write_behind_bytes`` are in flight: spilling must not hold what it spilled."""
+        pending = 0
+        for key, (future, _host, payload) in reversed(list(self._writes.items())):
+            pending += payload.nbytes
+            if future.done() or pending > self.write_behind_bytes:
+                self._collect(self._writes.pop(key), reuse=True)
+
+    def _settle_write(self, payload: Payload) -> None:
+        written = self._writes.pop(payload.key, None)
+        if written is not None:
+            self._collect(written)
+
+    def settle(self) -> None:
+        """Wait for every write-behind (their memory is released) and surface any error."""
+        failed = None
+        for key in list(self._writes):
+            try:
+                self._collect(self._writes.pop(key), reuse=True)
+            except OSError as err:
+                failed = failed or err
+        if failed is not None:
+            raise failed
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # closing (the model is gone): nothing to keep
+            self.settle()
+        for future, _ in self._reads.values():
+            future.cancel()
+        self._reads.clear()
+        if self._disk is not None:
+            self._disk.close()
