@@ -10,6 +10,8 @@
   page cache bypassed; aim within 2x).
 
 Rounds interleave the variants; medians and the spread (min-max) over rounds are printed.
+``--rounds`` sets their number; ``--skip capacity cgroup`` leaves out the two capacity parts
+(most of the run's 25 minutes) while iterating on the step times.
 Then capacity (``memory_capacity.py``): the largest model plain PyTorch trains a step of under
 ``device_mem=256MiB`` against one the host tier trains under the same budget; and physical
 capacity (``memory_cgroup.py``): the largest model plain PyTorch trains a step of inside a
@@ -106,15 +108,15 @@ def _run(rank: int, world: int, args: argparse.Namespace, spill: str) -> dict:
                 opt_times[name].append(opt_s)
                 adam_times[name].append(adam_s)
             if r and name == "disk, everything":
-                moved.append(sum(opt.sync.last_step["moved"].values()))
+                moved.append(dict(opt.sync.last_step["moved"]))
     from pathlib import Path
 
     write_bps, read_bps = measure_disk_bandwidth(Path(spill), 128 * 2**20)
     numel = sum(p.numel() for p in _model(args).parameters())
     del built
+    capacity = None if "capacity" in args.skip else memory_capacity.run(args, spill)
     return {"times": times, "opt_times": opt_times, "adam_times": adam_times, "moved": moved,
-            "numel": numel, "disk": (write_bps, read_bps),
-            "capacity": memory_capacity.run(args, spill)}
+            "numel": numel, "disk": (write_bps, read_bps), "capacity": capacity}
 
 
 def _physical(args: argparse.Namespace, spill: str) -> dict | str:
@@ -138,7 +140,11 @@ def report(out: dict) -> dict:
                   _spread(adam[k]) if adam[k][0] else "-"] for k in times])
     print("(medians over rounds, min-max in brackets)")
     write_bps, read_bps = out["disk"]
-    moved = statistics.median(out["moved"])
+    moved = statistics.median(sum(m.values()) for m in out["moved"])
+    read = statistics.median(sum(v for (a, _), v in m.items() if a == "disk")
+                             for m in out["moved"])
+    written = statistics.median(sum(v for (_, b), v in m.items() if b == "disk")
+                                for m in out["moved"])
     # every byte moved is written once and read once per step, at best in sequence
     bound = moved / 2 / write_bps + moved / 2 / read_bps
     ratios = {"auto_vs_no_offload": med["auto, fits"] / med["no offload"],
@@ -147,19 +153,22 @@ def report(out: dict) -> dict:
               / statistics.median(opt_times["host optimizer"]),
               "disk_vs_bound": med["disk, everything"] / bound}
     print(f"disk: {write_bps / 1e6:.0f} MB/s write, {read_bps / 1e6:.0f} MB/s read (page cache "
-          f"bypassed); {moved / 2**20:.1f} MiB moved per step -> bound {bound:.3f} s")
+          f"bypassed); {moved / 2**20:.1f} MiB moved per step ({read / 2**20:.1f} read, "
+          f"{written / 2**20:.1f} written) -> bound {bound:.3f} s")
+    print("(the disk tier steps a chunk right before its next use, inside the next forward: "
+          "its optimizer step s is what is left in step())")
     print(f"auto placement when everything fits / no offload: {ratios['auto_vs_no_offload']:.3f}"
           " (aim <= 1.05)")
     print(f"host Adam speed vs torch.optim.AdamW(fused=True): {ratios['host_adam_speed']:.2f}x"
           f" (aim >= 1.0x); the whole host optimizer step (gradients to the host, parameters "
           f"published) {ratios['host_step_speed']:.2f}x")
     print(f"disk-tier step / disk-bandwidth bound: {ratios['disk_vs_bound']:.2f} (aim <= 2)")
-    from bench import memory_capacity
+    from bench import memory_capacity, memory_cgroup
 
-    ratios["device_budget_capacity"] = memory_capacity.report(out["capacity"])
-    from bench import memory_cgroup
-
-    ratios["cgroup_capacity"] = memory_cgroup.report(out["physical"])
+    if out["capacity"] is not None:
+        ratios["device_budget_capacity"] = memory_capacity.report(out["capacity"])
+    if out["physical"] is not None:
+        ratios["cgroup_capacity"] = memory_cgroup.report(out["physical"])
     return ratios
 
 
@@ -179,6 +188,8 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds")
+    parser.add_argument("--skip", nargs="+", default=[], choices=["capacity", "cgroup"],
+                        help="leave out the capacity part (device budget) or the cgroup one")
     memory_capacity.add_arguments(parser)
     memory_cgroup.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -187,5 +198,6 @@ def main(argv: list[str]) -> dict:
             setattr(args, k, v)
     with tempfile.TemporaryDirectory(prefix="bench-memory-", dir=".") as spill:
         out = run_ranks(_run, 1, args, spill, timeout_s=1800)[0]
-        out["physical"] = _physical(args, spill)  # trials are processes of their own
+        # the cgroup trials are processes of their own
+        out["physical"] = None if "cgroup" in args.skip else _physical(args, spill)
     return report(out)
