@@ -6,7 +6,9 @@ the pool's first call arrives, after the controller is up and the engine has reg
 the import waits on both. This entry imports the rank runtime first and then runs
 ipyparallel's engine unchanged (same arguments, ``--mpi`` included), so the import overlaps
 the controller's start and the registration round trips. Every launcher (local, MPI, Slurm,
-SSH) starts engines through it.
+SSH) starts engines through it; with ``--workbench-fork=N`` (the local launcher,
+``workbench.forked_engines``) it forks N engines after the import instead of running one, as
+torch's DataLoader forks its workers: the parent only imports, then waits.
 
 It also refuses early, in words, an engine host without torch (the pool would otherwise see
 only an engine that never registers), and creates the IPython profile folder the engine is
