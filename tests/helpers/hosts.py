@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +36,13 @@ mount --rbind "$home" /root && mount --bind "$hosts" /etc/hosts && exec "$@"
 
 
 def _shared_under_root() -> str:
-    """Folders under /root the interpreter lives in (a pyenv Python, say): every host keeps
-    them, as hosts of a cluster share their software installation."""
+    """Folders under /root that every host must keep: the Python installation, the
+    virtualenv, the checkout and the temporary folder (wherever CI put them), as hosts of a
+    cluster share their software and file system; only what else is in HOME differs."""
     shared = set()
-    for path in (sys.executable, os.path.realpath(sys.executable)):
+    for path in (sys.executable, os.path.realpath(sys.executable), sys.prefix,
+                 sys.base_prefix, str(Path(__file__).resolve().parents[2]),
+                 tempfile.gettempdir()):
         if path.startswith("/root/"):
             shared.add(path.split("/")[2])
     return ":".join(sorted(shared))
