@@ -104,6 +104,27 @@ class KernelSession:
         assert r.status == "ok", f"{r.ename}: {r.evalue}\n{r.text}"
         return r
 
+    def wait_for_output(self, msg_id: str, text: str, timeout_s: float = 60.0) -> None:
+        """Read ``msg_id``'s output until ``text`` appears (the messages read are dropped), so
+        a test acts on what a cell did, not on a guess of how long it takes."""
+        deadline = time.monotonic() + timeout_s
+        seen: list[str] = []
+        while text not in "".join(seen):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{text!r} not seen within {timeout_s} s: {''.join(seen)}")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            content = msg["content"]
+            if msg["msg_type"] == "stream":
+                seen.append(content["text"])
+            elif msg["msg_type"] in ("display_data", "execute_result"):
+                seen.append(content["data"].get("text/plain", ""))
+
     def interrupt(self) -> None:
         self.km.interrupt_kernel()
 

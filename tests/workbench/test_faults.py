@@ -80,14 +80,17 @@ def slow_loss(model, batch):
     time.sleep(0.1)  # a step lasts ~1 s, so the interrupt lands inside one
     return nn.functional.mse_loss(model(batch[0]), batch[1])
 x, y = torch.randn(8, 4), torch.randn(8, 1)
-for _ in range(1000):
+for step in range(1000):
     train_step(model, opt, list(zip(x.chunk(4), y.chunk(4))), slow_loss)
+    if step == 1:
+        print("stepping", flush=True)
 """
 
 
 def test_interrupt_during_a_pipeline_step_stops_every_stage_at_the_same_step(kernel):
     msg_id = kernel.submit(PIPELINE_CELL)
-    time.sleep(6.0)  # parallelized and a few steps in
+    kernel.wait_for_output(msg_id, "stepping")  # parallelized and two steps in
+    time.sleep(1.0)
     kernel.interrupt()
     reply = kernel.collect(msg_id, timeout_s=60)
     assert reply.status == "error" and reply.ename == "KeyboardInterrupt", reply.evalue
