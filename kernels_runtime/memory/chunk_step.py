@@ -132,7 +132,8 @@ class ChunkStep(DeferredSteps, GradSync):
                           "device_state_peak": int(self.store.state_peak[Tier.DEVICE]),
                           "activations": self.activations.last_peak,
                           "device_total_peak": int(self.store.total_peak)}
-        self.store.settle()
+        self.store.reap()  # writes still in flight (at most write_behind_bytes) go on: the
+        # next forward's first reads of them reuse their memory instead of the disk
         self.store.reset_step_counters()
 
     def _step_chunk(self, inner: torch.optim.Optimizer, i: int,

@@ -36,9 +36,14 @@ def round_up(nbytes: int) -> int:
 
 def aligned_empty(numel: int, dtype: torch.dtype, pin_memory: bool = False) -> torch.Tensor:
     """An uninitialised 1-D tensor whose data starts on an ``ALIGN`` boundary and whose
-    storage holds its bytes rounded up to the next boundary: direct I/O moves it in place."""
+    storage holds its bytes rounded up to the next boundary: direct I/O moves it in place.
+    Pinned memory starts on a page already (and its allocator rounds sizes up to powers of
+    two, so a page more could double a block): only the length is rounded there."""
     nbytes = numel * dtype.itemsize
-    raw = torch.empty(round_up(nbytes) + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
+    raw = torch.empty(round_up(nbytes), dtype=torch.uint8, pin_memory=pin_memory) \
+        if pin_memory else None
+    if raw is None or raw.data_ptr() % ALIGN:
+        raw = torch.empty(round_up(nbytes) + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
     start = (-raw.data_ptr()) % ALIGN
     return raw[start:start + nbytes].view(dtype)
 

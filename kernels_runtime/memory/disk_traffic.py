@@ -161,7 +161,7 @@ class DiskTraffic:
             self._sub(Tier.DISK, payload.nbytes)
             self._add(Tier.HOST, payload.nbytes)
 
-    def _reap(self) -> None:
+    def reap(self) -> None:
         """Release the memory of completed write-behinds, and wait for the oldest while more
         than ``write_behind_bytes`` are in flight: spilling must not hold what it spilled."""
         pending = 0

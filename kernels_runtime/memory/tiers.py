@@ -258,7 +258,7 @@ class TierStore(DiskTraffic):
         self._sub(source, payload.nbytes)
         payload.tier = tier
         if tier == Tier.DISK:
-            self._reap()  # the payload is on the disk tier: a failed write restores it
+            self.reap()  # the payload is on the disk tier: a failed write restores it
 
     def _to_host(self, data: torch.Tensor) -> torch.Tensor:
         host = self._empty(data.numel(), data.dtype, Tier.HOST)

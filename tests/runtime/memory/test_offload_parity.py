@@ -46,6 +46,7 @@ def _run(plan: str, world: int, accum: int = 1,
         # its files are what the store accounts for: the disk tier, copies of payloads read
         # back unchanged, files kept for a key's next write; at most one per payload
         folder = getattr(opt.sync, "spill_folder", None)
+        opt.sync.store.settle()  # write-behinds still in flight complete
         files = sum(f.stat().st_size for f in folder.iterdir()) if folder else 0
         state = sum(opt.sync.memory_breakdown(opt.inner).values()) \
             + sum(c.shard_size * 4 for c in opt.sync.chunks)  # and a gradient per chunk
