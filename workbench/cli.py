@@ -1,4 +1,5 @@
-"""The ``workbench`` command: run the demo, execute notebooks headless, open JupyterLab."""
+"""The ``workbench`` command: run the demo, execute notebooks headless, open JupyterLab,
+serve a model."""
 
 from __future__ import annotations
 
@@ -92,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     lab.add_argument("--notebook-dir", type=Path, default=None,
                      help="root folder (default: the repository's notebooks/)")
     lab.set_defaults(func=_cmd_lab)
+    from workbench.serving.cli import add_parser as add_serve
+
+    add_serve(sub)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "lab":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -105,7 +105,13 @@ class RemoteEngine:
                  dashboard: str = "auto", timeout_s: float | None = None) -> list:
         """One ``RequestOutput`` per prompt (the same call as ``Engine.generate`` on every
         rank); with ``show`` each request's text streams into the cell as it grows."""
+        from workbench.magics import active_magics
+        from workbench.serving.magic import guard_cell
+
         pool = self.pool
+        magics = active_magics()
+        if magics is not None and magics.pool is pool:
+            guard_cell(magics)  # the ranks run an endpoint's serving loop
         pool.view().push({_ARGS: (prompts, params)}, block=True)
         tokens = TokenView(show)
         live = LiveDashboard(list(range(pool.world_size)), mode=dashboard,

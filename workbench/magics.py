@@ -27,6 +27,7 @@ from workbench.errors import PoolError
 from workbench.execution import run_cell
 from workbench.pool import Pool
 from workbench.ranks import tp_groups_within_hosts
+from workbench.serving.magic import guard_cell, resume_after_restart, serve_command
 
 POOL_COMMANDS = ("start", "stop", "restart", "status")
 
@@ -130,15 +131,26 @@ class ColossalMagics(Magics):
         self.default_plan: Plan = Plan()
         self._sent_plan: tuple[Any, ...] | None = None
         self.last_run: RunHistory | None = None  # telemetry of the last %%colossal cell
+        self.cells_run: list[tuple[str, str]] = []  # (line, code) of recent %%colossal cells
+        self.server: Any = None  # the endpoint of ``%colossal serve``, while it serves
 
     @line_cell_magic
     def colossal(self, line: str, cell: str | None = None) -> Any:
         """%colossal start|stop|restart|status [-n N] [--backend B] [--launcher L]
+        %colossal serve ENGINE [--port P] [--host H] [--api-key K | --no-api-key] | --stop
         %%colossal [--plan P] [--targets 0,1] [--output rank0|all] [--push a] [--pull b]
                    [--dashboard | --no-dashboard] [--timeout S]
         """
         if cell is None:
+            if line.split()[:1] == ["serve"]:
+                return serve_command(self, line)
             return self._pool_command(line)
+        guard_cell(self)
+        return self.run_cell_magic_unguarded(line, cell)
+
+    def run_cell_magic_unguarded(self, line: str, cell: str) -> None:
+        """A %%colossal cell, remembered (``%colossal serve`` rebuilds an engine from it)."""
+        self.cells_run = [*self.cells_run[-99:], (line, cell)]
         return self._run_cell(line, cell)
 
     # ---- line: pool lifecycle ----------------------------------------------------------
@@ -175,6 +187,8 @@ class ColossalMagics(Magics):
         if self.pool is None:
             print("colossal: no pool is running")
             return
+        if self.server is not None and self.server.running:
+            serve_command(self, "serve --stop")
         self.pool.stop()
         self.pool = None
         print("colossal: pool stopped")
@@ -187,6 +201,7 @@ class ColossalMagics(Magics):
         self.pool.restart(progress=_progress)
         self._sent_plan = None
         print(f"colossal: {self.pool.world_size} ranks on {self.pool.backend} restarted")
+        resume_after_restart(self)
 
     def _cmd_status(self, args: Any) -> None:
         if self.pool is None or not self.pool.started:

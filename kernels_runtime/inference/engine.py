@@ -199,6 +199,7 @@ class Engine:
             if self.scheduler.has_work and not step.preempted:
                 raise RuntimeError("the scheduler found nothing to run while requests wait "
                                    "(a bug: every admitted request fits the cache)")
+            self.ctx.telemetry.record_inference(self.stats())  # aborts changed the blocks
             return changed
         self._apply_cache_ops(step)
         batch = build_batch(step.chunks, self.block_size, self.ctx.device)

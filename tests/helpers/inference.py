@@ -87,3 +87,41 @@ def reference(model: nn.Module, prompt: list[int], new: int) -> tuple[list[int],
     out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     return out.sequences[0, len(prompt):].tolist(), [row[0].float() for row in out.logits]
+
+
+def save_hf_folder(folder: Path, steps: int = TRAIN_STEPS) -> Path:
+    """A ``save_pretrained`` folder as users bring one: a tiny GPT-2 trained for ``steps``
+    steps with its own BPE tokenizer (trained here with ``tokenizers`` on standard-library
+    text) and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    if (folder / "config.json").exists():
+        return folder
+    text = bytes(corpus()[:300_000].tolist()).decode("utf-8", "replace")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([text[i:i + 2000] for i in range(0, len(text), 2000)],
+                            trainers.BpeTrainer(vocab_size=384, special_tokens=["<|end|>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|end|>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                               "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    ids = torch.tensor(tokenizer.encode(text[:200_000]))
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(
+        vocab_size=len(tokenizer), n_positions=CONTEXT, n_embd=64, n_layer=2, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        starts = torch.randint(0, ids.numel() - 65, (16,), generator=g)
+        rows = torch.stack([ids[s:s + 64] for s in starts.tolist()])
+        model(input_ids=rows, labels=rows).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

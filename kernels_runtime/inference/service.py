@@ -1,0 +1,131 @@
+"""Serving from the ranks: the loop every rank of a replica runs while an endpoint is up.
+
+A front end (the HTTP server, ``workbench.serving``) talks to one rank per replica, its
+*leader* (the first rank of its tensor and pipeline groups). Each turn of the loop the leader
+takes what the front end sent (new requests, aborts, a stop), shares it with every rank of its
+replica (the same commands in the same order, so every rank's scheduler stays identical), and
+all of them apply it and run one engine step; the leader sends back what changed. Idle, the
+leader waits up to ``idle_s`` for a command and shares an empty turn otherwise, so the other
+ranks, waiting in the share, never reach their collective timeout.
+
+What the front end gets per changed request is append-only: new token ids and new text. Text
+is held back while it ends in an unfinished character (a byte token may be half of one) or could
+be the start of a stop string, so streamed text is never taken back.
+``stop`` drains: requests already in the engine finish, then the loop returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from kernels_runtime.inference.chat import chat_prompt
+from kernels_runtime.inference.params import RequestOutput, SamplingParams
+
+REPLACEMENT = "\ufffd"
+
+
+@dataclass
+class Command:
+    kind: str  # "completion", "chat", "abort" or "stop"
+    request_id: str = ""
+    prompt: Any = None  # text or token ids (completion), or chat messages (chat)
+    params: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "request_id": self.request_id, "prompt": self.prompt,
+                "params": self.params}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Command:
+        return cls(data["kind"], data.get("request_id", ""), data.get("prompt"),
+                   dict(data.get("params") or {}))
+
+
+def replica_leader(ctx: Any) -> bool:
+    return ctx.coord("tp") == 0 and ctx.coord("pp") == 0
+
+
+def share(ctx: Any, commands: list[Command] | None) -> list[Command]:
+    """The leader's commands on every rank of its replica: over the pipeline group of the
+    leader's tensor column first, then each stage's tensor group."""
+    box: list[Any] = [commands]
+    for axis in ("pp", "tp"):
+        if ctx.size(axis) == 1 or (axis == "pp" and ctx.coord("tp") != 0):
+            continue
+        first = ctx.topology.group_of(ctx.rank, (axis,))[0]
+        dist.broadcast_object_list(box, src=first, group=ctx.group(axis))
+    return box[0] or []
+
+
+class DeltaTracker:
+    """What each request has already been sent, to send only what is new."""
+
+    def __init__(self, stops: Callable[[str], tuple[str, ...]]) -> None:
+        self.stops = stops  # request id -> its stop strings
+        self.sent: dict[str, tuple[int, int]] = {}  # request id -> (tokens, characters)
+
+    def delta(self, out: RequestOutput) -> dict[str, Any]:
+        tokens, chars = self.sent.get(out.request_id, (0, 0))
+        text = out.text
+        stable = None
+        if text is not None:
+            stable = len(text)
+            if not out.finished:
+                while stable > chars and text[stable - 1] == REPLACEMENT:
+                    stable -= 1
+                longest = max((len(s) for s in self.stops(out.request_id)), default=0)
+                stable = max(chars, min(stable, len(text) - max(0, longest - 1)))
+        new_text = None if text is None else text[chars:stable]
+        message = {"id": out.request_id, "token_ids": out.token_ids[tokens:], "text": new_text,
+                   "finish_reason": out.finish_reason, "error": out.error,
+                   "prompt_tokens": len(out.prompt_token_ids),
+                   "completion_tokens": len(out.token_ids), "stop_reason": out.stop_reason,
+                   "first_token_s": out.first_token_s, "finished_s": out.finished_s}
+        if out.finished:
+            self.sent.pop(out.request_id, None)
+        else:
+            self.sent[out.request_id] = (len(out.token_ids), stable or 0)
+        return message
+
+
+def serve(engine: Any, receive: Callable[[float], list[Command]] | None,
+          send: Callable[[list[dict[str, Any]]], None] | None, idle_s: float = 0.05) -> None:
+    """Run until a ``stop`` command has drained the engine (see the module docstring).
+    ``receive(timeout_s)`` and ``send(deltas)`` are the leader's link to the front end (None on
+    the other ranks)."""
+    ctx = engine.ctx
+    leader = replica_leader(ctx)
+    stop_strings: dict[str, tuple[str, ...]] = {}
+    tracker = DeltaTracker(lambda rid: stop_strings.get(rid, ()))
+    stopping = False
+    while True:
+        commands = None
+        if leader:
+            commands = receive(0.0 if engine.has_unfinished() or stopping else idle_s)
+        for command in share(ctx, commands):
+            if command.kind == "stop":
+                stopping = True
+            elif command.kind == "abort":
+                engine.abort(command.request_id)
+            else:
+                params = SamplingParams(**command.params)
+                prompt = command.prompt if command.kind == "completion" \
+                    else chat_prompt(engine.tokenizer, command.prompt)
+                stop_strings[command.request_id] = params.stop_strings \
+                    if isinstance(params.stop, (str, list, tuple)) else ()
+                engine.add_request(prompt, params, request_id=command.request_id)
+        if stopping and not engine.has_unfinished():
+            return
+        if engine.has_unfinished():
+            changed = engine.step()
+            if leader and changed:
+                send([tracker.delta(out) for out in changed])
+            for out in changed:
+                if out.finished:
+                    stop_strings.pop(out.request_id, None)
+            if not engine.has_unfinished():
+                ctx.telemetry.flush()  # idle from now: its last figures must go out

@@ -1,0 +1,96 @@
+"""``workbench serve``: a model folder served from a pool of its own, from a shell.
+
+    workbench serve --model DIR --plan "tp=2" [--pool-size N] [--port 8000] [--host 127.0.0.1]
+                    [--api-key K | --no-api-key] [--kv-mem 256MiB] [--model-name NAME]
+
+The pool starts, every rank loads the model (``from_pretrained``, with the folder's tokenizer
+when it has one) and builds the engine under the plan, and the endpoint serves until SIGINT or
+SIGTERM, which drain the requests in flight before the pool stops. The same ``Server`` as
+``%colossal serve``; only who starts it differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+BUILD = """
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kernels_runtime.inference import Engine
+
+folder = Path({folder!r})
+tokenizer = None
+if any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json",
+                                              "vocab.json", "tokenizer.model")):
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+model = AutoModelForCausalLM.from_pretrained(folder)
+engine = Engine(model, {plan!r}, comm=comm, tokenizer=tokenizer, kv_mem={kv_mem!r},
+                verbose=False)
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model folder over the OpenAI HTTP API from a "
+                                     "pool of its own")
+    p.add_argument("--model", required=True, type=Path, help="a save_pretrained folder")
+    p.add_argument("--plan", default="dp=1", help='e.g. "tp=2" or "dp=2"')
+    p.add_argument("--pool-size", type=int, default=None,
+                   help="ranks (default: one per GPU, else 2)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--no-api-key", action="store_true")
+    p.add_argument("--kv-mem", default=None, help="KV cache per rank, e.g. 256MiB")
+    p.add_argument("--model-name", default=None, help="the id clients name (default: the "
+                                                      "folder's name)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from workbench.errors import PoolError
+    from workbench.execution import run_cell
+    from workbench.pool import Pool
+    from workbench.serving.keys import new_key
+    from workbench.serving.server import Server, check_port
+
+    folder = args.model.resolve()
+    if not (folder / "config.json").exists():
+        print(f"workbench serve: {folder} is not a model folder (no config.json; write one with "
+              "model.save_pretrained(folder))", file=sys.stderr)
+        return 2
+    try:
+        check_port(args.host, args.port)
+    except PoolError as err:
+        print(f"workbench serve: {err}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    pool = Pool(args.pool_size).start(progress=lambda note: print(f"waiting: {note}"))
+    server = None
+    try:
+        run_cell(pool, BUILD.format(folder=str(folder), plan=args.plan, kv_mem=args.kv_mem),
+                 stream=lambda rank, name, text: rank == 0 and print(text, end=""),
+                 display=lambda rank, content: None)
+        key, where = (None, None) if args.no_api_key else new_key(args.port, args.api_key)
+        server = Server(pool, "engine", model_id=args.model_name or folder.name,
+                        host=args.host, port=args.port, api_key=key).start()
+        auth = f"API key in {where}" if key else "no API key"
+        print(f"serving {server.model_id} at {server.url} ({pool.world_size} ranks, plan "
+              f"{args.plan}); {auth}. Ctrl-C drains and stops.", flush=True)
+        stop.wait()
+        print("draining the requests in flight...", flush=True)
+        return 0
+    except PoolError as err:
+        print(f"workbench serve: {err}", file=sys.stderr)
+        return 1
+    finally:
+        if server is not None:
+            server.stop()
+        pool.stop()

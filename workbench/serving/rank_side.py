@@ -1,0 +1,57 @@
+"""The rank side of a serving endpoint: every rank runs ``serve_engine`` as one long task while
+the endpoint is up; each replica's leader connects to the server's bridge (``bridge.py``) and
+the loop itself is ``kernels_runtime.inference.service.serve``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ipyparallel import interactive
+
+from kernels_runtime.inference.service import Command, replica_leader, serve
+
+
+@interactive
+def describe_engine(name: str) -> int | str:
+    """This rank's data-parallel replica of the engine ``name``, or what the name holds."""
+    from kernels_runtime.inference import Engine
+
+    value = globals().get(name)
+    if not isinstance(value, Engine):
+        return "not defined" if value is None else f"a {type(value).__name__}"
+    return int(value.ctx.dp_rank)
+
+
+def serve_engine(engine: Any, address: str, secret: str) -> str:
+    """Serve ``engine`` until the server sends stop; returns how it ended."""
+    from kernels_runtime.inference import Engine
+
+    if not isinstance(engine, Engine):
+        raise TypeError(f"%colossal serve serves a kernels_runtime.inference.Engine; this "
+                        f"rank's variable holds a {type(engine).__name__}")
+    if not replica_leader(engine.ctx):
+        serve(engine, None, None)
+        return "stopped"
+    import zmq
+
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 1000)
+    socket.connect(address)
+    socket.send(json.dumps({"hello": secret, "replica": engine.ctx.dp_rank}).encode())
+
+    def receive(timeout_s: float) -> list[Command]:
+        commands = []
+        if socket.poll(int(timeout_s * 1000)):
+            while socket.poll(0):
+                commands.append(Command.from_json(json.loads(socket.recv())))
+        return commands
+
+    def send(deltas: list[dict[str, Any]]) -> None:
+        socket.send(json.dumps({"deltas": deltas}).encode())
+
+    try:
+        serve(engine, receive, send)
+    finally:
+        socket.close()
+    return "stopped"

@@ -1,0 +1,221 @@
+"""``Server``: an OpenAI-compatible endpoint in front of an engine that lives on the pool's ranks.
+
+Lifecycle: ``start`` checks the port, binds the bridge the replica leaders connect to
+(``bridge.py``), starts the serving loop on every rank as one long task (``rank_side.py``: the
+pool belongs to the server from then on), starts uvicorn in a thread of this process, and waits
+until every replica has connected. A watcher thread follows the ranks: a rank that dies or a
+loop that fails makes the endpoint answer 503 with the reason (requests in flight end with it),
+and it feeds ``/metrics`` and the dashboard from the ranks' telemetry. ``resume`` starts the
+loop again on a restarted pool. ``stop`` drains: new requests get 503, requests in flight
+finish, then the ranks leave their loop and uvicorn shuts down.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+from workbench.errors import PoolError
+from workbench.serving.bridge import Bridge
+from workbench.serving.metrics import Metrics
+
+_RUNNING: list[Server] = []
+
+
+def running_servers() -> list[Server]:
+    return [s for s in _RUNNING if s.running]
+
+
+def check_port(host: str, port: int) -> None:
+    """A clear error for a port in use (before anything else starts)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.bind((host, port))
+    except OSError as err:
+        raise PoolError(f"cannot serve on {host}:{port}: {err.strerror}; the port is in use "
+                        "(another endpoint or program): choose another with --port") from None
+    finally:
+        probe.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    probe.bind((host, 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    return port
+
+
+class Server:
+    def __init__(self, pool: Any, engine: str, *, model_id: str | None = None,
+                 host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None) -> None:
+        self.pool, self.engine, self.host, self.port = pool, engine, host, port
+        self.model_id = model_id or engine
+        self.api_key = api_key
+        self.created = int(time.time())
+        self.metrics = Metrics()
+        self.bridge: Bridge | None = None
+        self.task: Any = None  # the ranks' serving loop (an ipyparallel AsyncResult)
+        self.failure: str | None = None  # why the ranks cannot serve now
+        self.accepting = False
+        self.active = 0  # HTTP requests being answered (streams until their last event)
+        self.running = False
+        self.replicas = 0
+        self.rebuild: tuple[str, str] | None = None  # (magic line, code) that built the engine
+        self.telemetry: dict[int, dict[str, Any]] = {}  # rank -> its latest published data
+        self._uvicorn: Any = None
+        self._threads: list[threading.Thread] = []
+        self._stop_watch = threading.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def unavailable(self) -> str | None:
+        if not self.accepting:
+            return f"the endpoint {self.url} is stopping and takes no new requests"
+        if self.failure:
+            return self.failure
+        if self.bridge is None or self.bridge.connected == 0:
+            return "the ranks' serving loop is not connected yet"
+        return None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self, connect_timeout_s: float = 120.0) -> Server:
+        import uvicorn
+
+        from workbench.serving.app import create_app
+
+        check_port(self.host, self.port)
+        self.replicas = self._check_engine()
+        self.bridge = Bridge(self.pool.launcher.controller_ip)
+        self.bridge.on_delta = self._on_delta
+        bridge = self.bridge
+        self.metrics.in_flight.set_function(lambda: len(bridge.queues))
+        config = uvicorn.Config(create_app(self), host=self.host, port=self.port,
+                                log_level="warning", lifespan="off")
+        self._uvicorn = uvicorn.Server(config)
+        web = threading.Thread(target=self._serve_http, name="workbench-serving-http",
+                               daemon=True)
+        web.start()
+        deadline = time.monotonic() + 30
+        while not self._uvicorn.started:
+            if not web.is_alive() or time.monotonic() > deadline:
+                self.bridge.close()
+                raise PoolError(f"the HTTP server did not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        self.running = True
+        _RUNNING.append(self)
+        watch = threading.Thread(target=self._watch, name="workbench-serving-watch", daemon=True)
+        watch.start()
+        self._threads = [web, watch]
+        self.resume(connect_timeout_s)
+        return self
+
+    def _check_engine(self) -> int:
+        """Every rank holds an ``Engine`` under the name; how many replicas it has."""
+        from workbench.serving.rank_side import describe_engine
+
+        found = self.pool.view().apply_sync(describe_engine, self.engine)
+        wrong = [(r, what) for r, what in enumerate(found) if isinstance(what, str)]
+        if wrong:
+            rank, what = wrong[0]
+            raise PoolError(f"`{self.engine}` on rank {rank} is {what}, not an inference "
+                            f"Engine: build it in a %%colossal cell first ({self.engine} = "
+                            "Engine(model, plan, ...))")
+        return max(found) + 1
+
+    def _serve_http(self) -> None:
+        import asyncio
+
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self.bridge.loop = loop
+        loop.run_until_complete(self._uvicorn.serve())
+
+    def resume(self, connect_timeout_s: float = 120.0) -> None:
+        """Start the serving loop on the pool's ranks (again, after a restart) and wait until
+        every replica has connected."""
+        assert self.bridge is not None
+        self.bridge.forget_replicas()
+        self.failure = None
+        code = (f"import workbench.serving.rank_side as _wb_serving\n"
+                f"_wb_serving.serve_engine({self.engine}, {self.bridge.address!r}, "
+                f"{self.bridge.secret!r})\n")
+        self.task = self.pool.view().execute(code, silent=True, block=False)
+        replicas = self.replicas
+        deadline = time.monotonic() + connect_timeout_s
+        while self.bridge.connected < replicas:
+            if self.task.done() or time.monotonic() > deadline:
+                self.accepting = False
+                error = _task_error(self.task) or "the ranks did not connect in time"
+                self.failure = f"the ranks could not start serving {self.engine}: {error}"
+                raise PoolError(self.failure)
+            time.sleep(0.02)
+        self.accepting = True
+
+    def stop(self, drain_timeout_s: float = 300.0) -> None:
+        """Refuse new requests, let the ones in flight finish, then stop the ranks' loop and
+        the HTTP server."""
+        if not self.running:
+            return
+        self.accepting = False
+        deadline = time.monotonic() + drain_timeout_s
+        while (self.active or self.bridge.queues) and self.failure is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.failure is None and self.task is not None and not self.task.done():
+            self.bridge.stop_replicas()
+            self.task.wait(max(1.0, deadline - time.monotonic()))
+        self._stop_watch.set()
+        self._uvicorn.should_exit = True
+        for t in self._threads:
+            t.join(timeout=10)
+        self.bridge.close()
+        self.running = False
+        if self in _RUNNING:
+            _RUNNING.remove(self)
+
+    # ---- watching the ranks ---------------------------------------------------------------
+    def _on_delta(self, delta: dict[str, Any]) -> None:
+        if delta.get("token_ids"):
+            self.metrics.generation_tokens.inc(len(delta["token_ids"]))
+        if delta.get("finish_reason") is not None:
+            self.metrics.finished(delta)
+
+    def _watch(self) -> None:
+        from kernels_runtime.telemetry import TELEMETRY_KEY
+
+        while not self._stop_watch.wait(0.2):
+            task = self.task
+            if task is None:
+                continue
+            dead = self.pool.dead_ranks()
+            if (dead or task.done()) and self.accepting and self.failure is None:
+                why = _task_error(task) if task.done() else None
+                if dead:
+                    hosts = ", ".join(f"rank {r} on {self.pool.host_of(r)}" for r in dead)
+                    why = f"{hosts} died ({why or 'engine lost'}); run `%colossal restart`"
+                self.failure = f"the ranks serving {self.engine} failed: {why or 'the loop ended'}"
+                self.bridge.fail_all(self.failure)
+            try:
+                data = task.data
+                data = [data] if isinstance(data, dict) else data
+            except Exception:  # noqa: BLE001 - a lost engine's data is not worth failing on
+                continue
+            self.telemetry = {r: d for r, d in enumerate(data or []) if d}
+            blocks = [d[TELEMETRY_KEY].get("inference") for d in self.telemetry.values()
+                      if TELEMETRY_KEY in d]
+            self.metrics.engines([b for b in blocks if b and b.get("leader", True)])
+
+
+def _task_error(task: Any) -> str | None:
+    if not task.done():
+        return None
+    try:
+        task.get(0)
+    except Exception as err:  # noqa: BLE001 - whatever a rank raised is the reason
+        return f"{type(err).__name__}: {err}"
+    return None
