@@ -12,7 +12,24 @@ The pieces, bottom to top: ``blocks`` (block pool, prefix index), ``kv_cache`` (
 model, pipeline stages included), ``sampling``, ``engine`` (the API).
 """
 
-from kernels_runtime.inference.engine import Engine, inference_problem
-from kernels_runtime.inference.params import RequestOutput, SamplingParams
+from __future__ import annotations
 
-__all__ = ["Engine", "RequestOutput", "SamplingParams", "inference_problem"]
+import importlib
+from typing import Any
+
+_PUBLIC = {  # loaded on first use (PEP 562): the torch-free modules stay importable alone
+    "Engine": "kernels_runtime.inference.engine",
+    "inference_problem": "kernels_runtime.inference.engine",
+    "RequestOutput": "kernels_runtime.inference.params",
+    "SamplingParams": "kernels_runtime.inference.params",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kernels_runtime.inference' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -17,32 +17,15 @@ be the start of a stop string, so streamed text is never taken back.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
 from kernels_runtime.inference.chat import chat_prompt
+from kernels_runtime.inference.commands import Command
 from kernels_runtime.inference.params import RequestOutput, SamplingParams
 
 REPLACEMENT = "\ufffd"
-
-
-@dataclass
-class Command:
-    kind: str  # "completion", "chat", "abort" or "stop"
-    request_id: str = ""
-    prompt: Any = None  # text or token ids (completion), or chat messages (chat)
-    params: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
-
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "request_id": self.request_id, "prompt": self.prompt,
-                "params": self.params}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Command:
-        return cls(data["kind"], data.get("request_id", ""), data.get("prompt"),
-                   dict(data.get("params") or {}))
 
 
 def replica_leader(ctx: Any) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kernels_runtime.inference.service import Command
+from kernels_runtime.inference.commands import Command
 from workbench.serving import openai_api as api
 from workbench.serving.openai_api import ApiError
 

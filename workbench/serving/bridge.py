@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from kernels_runtime.inference.service import Command
+from kernels_runtime.inference.commands import Command
 
 POLL_MS = 2
 

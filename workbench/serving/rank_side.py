@@ -1,6 +1,7 @@
 """The rank side of a serving endpoint: every rank runs ``serve_engine`` as one long task while
 the endpoint is up; each replica's leader connects to the server's bridge (``bridge.py``) and
-the loop itself is ``kernels_runtime.inference.service.serve``."""
+the loop itself is ``kernels_runtime.inference.service.serve``. Imported by the notebook too
+(``describe_engine`` is sent from there), so torch is imported inside the functions only."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from ipyparallel import interactive
 
-from kernels_runtime.inference.service import Command, replica_leader, serve
+from kernels_runtime.inference.commands import Command
 
 
 @interactive
@@ -20,12 +21,15 @@ def describe_engine(name: str) -> int | str:
     value = globals().get(name)
     if not isinstance(value, Engine):
         return "not defined" if value is None else f"a {type(value).__name__}"
+    if value.tokenizer is None:
+        return "an Engine without a tokenizer (the API answers in text)"
     return int(value.ctx.dp_rank)
 
 
 def serve_engine(engine: Any, address: str, secret: str) -> str:
     """Serve ``engine`` until the server sends stop; returns how it ended."""
     from kernels_runtime.inference import Engine
+    from kernels_runtime.inference.service import replica_leader, serve
 
     if not isinstance(engine, Engine):
         raise TypeError(f"%colossal serve serves a kernels_runtime.inference.Engine; this "

@@ -122,9 +122,9 @@ class Server:
         wrong = [(r, what) for r, what in enumerate(found) if isinstance(what, str)]
         if wrong:
             rank, what = wrong[0]
-            raise PoolError(f"`{self.engine}` on rank {rank} is {what}, not an inference "
-                            f"Engine: build it in a %%colossal cell first ({self.engine} = "
-                            "Engine(model, plan, ...))")
+            raise PoolError(f"`{self.engine}` on rank {rank} is {what}; serve an inference "
+                            f"Engine with a tokenizer, built in a %%colossal cell first "
+                            f"({self.engine} = Engine(model, plan, tokenizer=...))")
         return max(found) + 1
 
     def _serve_http(self) -> None:
