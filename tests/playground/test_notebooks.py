@@ -400,3 +400,33 @@ def test_inference_notebook_streams_batches_shares_and_splits(tmp_path, monkeypa
     assert "under pp=2: same greedy tokens as under tp=2: True" in text
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o["output_type"] == "error"]
     assert not errors
+
+
+def test_serving_notebook_serves_the_openai_client_and_drains(tmp_path, monkeypatch):
+    """09 on 2 ranks: an engine built on the ranks is served; the official client gets a
+    completion, the same text streamed, a chat answer and 16 concurrent streams; a wrong key,
+    unsupported parameters and a too-long prompt get their errors; /metrics counts; a cell
+    while serving is refused; --stop drains."""
+    import re
+
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WORKBENCH_RANKS", "2")
+    echo = io.StringIO()
+    nb = run_notebook(NOTEBOOKS / "09_serving.ipynb", timeout_s=300, echo=echo,
+                      workdir=tmp_path)
+    text = echo.getvalue()
+    url = re.search(r"^colossal: serving engine at (\S+) \(model 'engine', 2 replicas\); API "
+                    r"key in (\S+) ", text, re.M)
+    assert url, text
+    assert "wb-" not in text  # the key itself is never printed
+    assert re.search(r"^completion: '.+' \(length, 32 tokens\)$", text, re.M)
+    assert re.search(r"^streamed in \d+ events: '.+'$", text, re.M)
+    assert re.search(r"^16 answers, \d+ characters", text, re.M)
+    for what, status in (("wrong key", 401), ("n=2", 400), ("logprobs", 400),
+                         ("too long", 400)):
+        assert re.search(rf"^{what}: HTTP {status}: ", text, re.M), what
+    assert 'workbench_requests_total{route="/v1/completions",status="200"} 18.0' in text
+    assert f"%%colossal while serving: the pool is serving engine at {url.group(1)}" in text
+    assert f"colossal: stopped serving engine at {url.group(1)}" in text
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o["output_type"] == "error"]
+    assert not errors
