@@ -17,8 +17,8 @@ arrived), *reduced* (gradient reduce-scattered into ``grad``; released again). A
 pre-hook gathers its chunks and its forward hook releases them; a hook on the unit's outputs
 gathers them again for its backward (a checkpointed block re-running its forward inside
 backward keeps them); a gradient hook per parameter copies the gradient into the chunk's
-buffer, and the chunk's last one starts the reduction. The optimizer step streams chunk by
-chunk (``chunk_step.py``), each wherever its master lives.
+buffer, and the chunk's last one starts the reduction (``chunk_grads.py``). The optimizer step
+streams chunk by chunk (``chunk_step.py``), each wherever its master lives.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from kernels_runtime.memory.activation_reserve import ActivationReserve
+from kernels_runtime.memory.chunk_grads import ChunkGrads
 from kernels_runtime.memory.chunk_step import ChunkStep
 from kernels_runtime.memory.chunks import ChunkLayout, Unit, build_chunks, find_units
 from kernels_runtime.memory.placement import Placer, Trace, static_homes
@@ -43,7 +44,7 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class ChunkGradSync(ChunkStep):
+class ChunkGradSync(ChunkGrads, ChunkStep):
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
         layouts: dict[str, ParamLayout], *, blocks: list[nn.Module], zero_stage: int,
@@ -69,7 +70,7 @@ class ChunkGradSync(ChunkStep):
         self.grad: list[Payload | None] = [None] * len(self.chunks)
         self.states: list[dict[str, Payload]] = [{} for _ in self.chunks]
         self._chunk_of = {id(p): c.index for c in self.chunks for p in c.params}
-        self._offset = {id(p): off for c in self.chunks for p, off in zip(c.params, c.offsets)}
+        self._param_index = {id(p): n for c in self.chunks for n, p in enumerate(c.params)}
         self._materialized: set[int] = set()
         for c in self.chunks:
             self._make_payloads(c)
@@ -77,6 +78,7 @@ class ChunkGradSync(ChunkStep):
         self._active = [0] * len(self.chunks)  # units inside forward that need the chunk
         self._held: set[int] = set()  # gathered for backward, waiting for gradients
         self._grad_buf: dict[int, torch.Tensor] = {}
+        self._unwritten: dict[int, set[int]] = {}  # of a buffer: parameters with no gradient yet
         self._ready = [0] * len(self.chunks)
         self._reduced: set[int] = set()
         self._pending: list = []
@@ -290,98 +292,6 @@ class ChunkGradSync(ChunkStep):
         param = self.param[i]
         self.placer.in_use.discard(param.key)
         self.placer.settle(param)
-
-    # ---- gradients -----------------------------------------------------------------------
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        i = self._chunk_of[id(p)]
-        c = self.chunks[i]
-        buf = self._grad_buf.get(i)
-        if buf is None:
-            self.placer.make_room(Tier.DEVICE, c.padded * 4)
-            buf = self._grad_buf[i] = self.store.device_zeros(c.padded, torch.float32)
-            self.store.charge_working(buf.numel() * 4)  # (padded,)
-        off = self._offset[id(p)]
-        buf[off:off + p.grad.numel()].add_(p.grad.reshape(-1))
-        p.grad = None
-        self._ready[i] += 1
-        if self._ready[i] == len(c.params):
-            self._reduce(i)
-            self.overlap["during_backward"] += 1
-
-    def _reduce(self, i: int) -> None:
-        """Reduce-scatter chunk ``i``'s gradient into its ``grad`` shard and release it."""
-        self.step_deferred(i)  # a chunk no forward gathered: its pending step owns ``grad``
-        self._reduced.add(i)
-        c = self.chunks[i]
-        buf = self._grad_buf.pop(i, None)
-        if buf is None:
-            self.placer.make_room(Tier.DEVICE, c.padded * 4)
-            buf = self.store.device_zeros(c.padded, torch.float32)  # (padded,)
-            self.store.charge_working(buf.numel() * 4)
-        if self.dp > 1:
-            self.placer.make_room(Tier.DEVICE, c.shard_size * 4)
-            self.store.charge_working(c.shard_size * 4)  # released once accumulated
-            shard = self.store.device_empty(c.shard_size, torch.float32)
-            op = self.ctx.comm.reduce_scatter_async(shard, buf, group=self.ctx.dp_group)
-        else:
-            shard, op = buf, None
-        self._drain()  # at most one reduction in flight: gradient buffers do not pile up
-        self._pending.append((i, buf, shard, op))
-        self._held.discard(i)
-        if not self._active[i]:
-            self.release(i)
-
-    def _drain(self) -> None:
-        pending, self._pending = self._pending, []
-        for i, buf, shard, op in pending:
-            if op is not None:
-                op.wait()
-            if self.dp > 1:
-                shard.mul_(1.0 / self.dp)
-                self.store.release_working(shard.numel() * 4)
-                self.store.release_working(buf.numel() * 4)
-                self.store.release_device_buffer(buf)  # reduced: nothing refers to it
-            else:  # the buffer is the shard
-                self.store.release_working(buf.numel() * 4)
-            self._accumulate(i, shard)
-
-    def _accumulate(self, i: int, shard: torch.Tensor) -> None:
-        """Add a reduced shard into the chunk's ``grad``; the first one of a step becomes the
-        ``grad`` payload itself (its bytes were a working buffer until now: no copy, no
-        zero-filled allocation). Its squared norm is computed when asked (``master_grads``)
-        or before it leaves memory for disk, once per step, not per micro-batch."""
-        grad = self.grad[i]
-        if grad is None:
-            grad = self.grad[i] = self.store.adopt(f"c{i}.grad", shard, Tier.DEVICE)
-            self.placer.register(grad)
-            self.placer.home[grad.key] = self.grad_homes[i] if self.grad_homes else Tier.DEVICE
-        else:
-            self.placer.bring(grad, Tier.DEVICE)
-            grad.handle.add_(shard)
-        self.placer.touch(grad.key)
-        self._sumsq[i] = None
-        self.placer.settle(grad)
-
-    def _end_of_backward(self) -> None:
-        for i in range(len(self.chunks)):
-            if i not in self._reduced:  # unused in this pass: its gradient counts as zero
-                self._reduce(i)
-                self.overlap["at_end"] += 1
-        self._drain()
-        for i in list(self._held):
-            self._held.discard(i)
-            self.release(i)
-        self._in_backward = False
-        self._fetched_for_backward.clear()
-        self._reduced.clear()
-        self._ready = [0] * len(self.chunks)
-
-    def prepare_backward(self, sync: bool) -> None:
-        """Every backward reduce-scatters (as ZeRO-2 does): micro-batches accumulate in the
-        ``grad`` shard, so no full gradient outlives its chunk's backward."""
-
-    def finish(self) -> None:
-        self._drain()
 
 
 def _tensors(output) -> list[torch.Tensor]:

@@ -162,3 +162,29 @@ def test_offloaded_training_matches_training_without_offload(ranks, case):
         host_mem = parse_bytes(offload.split("host_mem=")[1].split()[0])
         assert all(r["tiers"]["host"] <= host_mem for r in out), \
             f"{case}: host tier {[r['tiers']['host'] for r in out]} B > host_mem {host_mem} B"
+
+
+def _unreached(rank: int, world: int, plan: str) -> dict:
+    """A block owning a parameter its forward never uses: its chunk's gradient buffer is
+    filled by copies, so that parameter's part must be zeroed, as a flat bucket's is."""
+    from kernels_runtime import parallelize, train_step
+
+    out = {}
+    for name in ("dp=2 zero=2", plan):
+        model = dm.make_model("gpt2")
+        torch.manual_seed(1)
+        model.transformer.h[0].unused = torch.nn.Parameter(torch.randn(40))
+        opt = torch.optim.AdamW(model.parameters(), lr=dm.LR, weight_decay=dm.WEIGHT_DECAY)
+        model, opt = parallelize(model, opt, ctx=context(name), verbose=False)
+        losses = [train_step(model, opt, dm.local_microbatches(s, rank, world, 1),
+                             loss_fn=dm.hf_loss).loss for s in range(4)]
+        out[name] = (losses, state_parameters(model))
+    (ref, ref_params), (got, params) = out.values()
+    rel = max(((params[n] - p).norm() / p.norm()).item() for n, p in ref_params.items())
+    return {"loss_rel": max(abs(a - b) / abs(b) for a, b in zip(got, ref)), "param_rel": rel}
+
+
+def test_a_parameter_no_backward_reaches_gets_a_zero_gradient(ranks):
+    plan = "dp=2 zero=2 offload=static offload_params=1 offload_grads=1 offload_optim=1"
+    for out in ranks(2).run(_unreached, plan, timeout_s=300):
+        assert out["loss_rel"] <= TOL and out["param_rel"] <= TOL, out
