@@ -8,9 +8,11 @@ reads, parameters published anew), always of the same few sizes, so keeping a fe
 saves most of that. A GPU machine needs none of this: its caching allocators (device and pinned
 host memory) reuse blocks already.
 
-Only memory nothing else refers to may come back here: never a chunk's parameters (autograd may
-still hold views of them for backward), only gradients, masters and optimizer states the runtime
-alone uses, once their last user (a write-behind, the step) is done with them.
+Only memory nothing else refers to may come back here: a chunk's parameters are viewed by the
+model while gathered and autograd keeps those views from a forward to its backward, so a buffer
+is kept only when its storage has no other user (``sole_owner``); gradients, masters and
+optimizer states, which the runtime alone uses, come back once their last user (a write-behind,
+the step) is done with them, parameters once their backward is.
 """
 
 from __future__ import annotations
@@ -50,3 +52,16 @@ class BufferPool:
         freed, self.nbytes = self.nbytes, 0
         self._free.clear()
         return freed
+
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def sole_owner(tensor: torch.Tensor, viewed: bool) -> bool:
+    """Whether ``tensor`` is the only user of its memory (no view, saved tensor or array refers
+    to its storage). Without the count (a torch that lacks it) only memory never ``viewed`` by
+    parameters is trusted."""
+    if _use_count is None:
+        return not viewed
+    return _use_count(tensor.untyped_storage()._cdata) <= 2  # the tensor and the storage asked
+

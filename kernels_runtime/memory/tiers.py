@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels_runtime.comm.accelerator import Accelerator
-from kernels_runtime.memory.buffer_pool import BufferPool
+from kernels_runtime.memory.buffer_pool import BufferPool, sole_owner
 from kernels_runtime.memory.disk_io import aligned_empty
 from kernels_runtime.memory.disk_traffic import DiskTraffic
 
@@ -174,8 +174,10 @@ class TierStore(DiskTraffic):
             self.host_pool.put(tensor)
 
     def _release(self, payload: Payload, data: torch.Tensor) -> None:
-        """``data`` held ``payload``'s values and its last user is done with it."""
-        if not payload.viewed and data.device.type == "cpu":
+        """``data`` held ``payload``'s values and the store is done with it: reused if nothing
+        else refers to its memory (autograd keeps views of a chunk's parameters from their
+        forward to their backward)."""
+        if data.device.type == "cpu" and sole_owner(data, payload.viewed):
             self.host_pool.put(data)
 
     def allocate(self, key: str, numel: int, dtype: torch.dtype, tier: Tier,
@@ -203,11 +205,12 @@ class TierStore(DiskTraffic):
             self._sub(Tier.DEVICE, payload.nbytes)
         payload.copy_on_disk = False  # its file stays, for the next payload of its key
         self._sub(payload.tier, payload.nbytes, working=not payload.persistent)
-        if recycle and payload.tier == Tier.DEVICE:
-            self.release_device_buffer(payload.handle.data)
-        elif recycle and payload.tier == Tier.HOST:
-            self._release(payload, payload.handle.data)
+        data = payload.handle.data
         payload.handle.data = torch.empty(0, dtype=payload.dtype)
+        if recycle and payload.tier == Tier.DEVICE:
+            self.release_device_buffer(data)
+        elif recycle and payload.tier == Tier.HOST:
+            self._release(payload, data)
         payload.tier = Tier.DEVICE
         payload.numel = 0
 
@@ -239,9 +242,9 @@ class TierStore(DiskTraffic):
             host = data if data.device.type == "cpu" or payload.copy_on_disk \
                 else self._to_host(data)
             moved = self._write_behind(payload, host)
+            payload.handle.data = torch.empty(0, dtype=payload.dtype)
             if not moved:  # its file holds the values: the memory is free now
                 self._release(payload, data)
-            payload.handle.data = torch.empty(0, dtype=payload.dtype)
         elif data is None:  # overwritten next: new memory, nothing read
             payload.handle.data = self._empty(payload.numel, payload.dtype, tier)
         elif (source == Tier.DISK and tier == Tier.HOST) or not self.accelerator.queues_work:

@@ -81,15 +81,22 @@ def test_a_freed_payload_leaves_its_file_for_the_next_of_its_key(store: TierStor
     assert store.disk.in_place == 1 and _folder_bytes(store) == store.file_bytes == 4096 * 4
 
 
-def test_freed_buffers_are_reused_but_never_a_parameters(store: TierStore):
+def test_freed_buffers_are_reused_only_when_nothing_else_refers_to_them(store: TierStore):
     state = store.allocate("c0.exp_avg", 4096, torch.float32, Tier.HOST)
     param = store.allocate("c0.param", 4096, torch.float32, Tier.HOST)
-    param.viewed = True  # the model's parameters point into it: autograd may hold it
-    state_memory = state.handle.data_ptr()
+    param.viewed = True  # the model's parameters point into it
+    saved = param.handle[:100].view(10, 10)  # as autograd keeps a weight for backward
+    state_memory, param_memory = state.handle.data_ptr(), param.handle.data_ptr()
     for p in (state, param):
         store.move(p, Tier.DISK)
-    store.settle()  # both written: only the state's memory is kept for reuse
+    store.settle()  # both written: only the state's memory is free for reuse
     assert store.host_pool.nbytes == state.nbytes
     again = store.allocate("c1.exp_avg", 4096, torch.float32, Tier.HOST)
     assert again.handle.data_ptr() == state_memory and bool((again.handle == 0).all())
     assert store.host_pool.nbytes == 0
+    store.move(param, Tier.HOST)  # read back (new memory); evicted again without a write
+    store.move(param, Tier.DISK)
+    assert store.host_pool.nbytes == param.nbytes  # nothing refers to the read-back memory
+    reused = store.host_pool.take(4096, torch.float32)
+    assert reused.data_ptr() != param_memory  # what the saved view holds never came back
+    assert saved.data_ptr() == param_memory
