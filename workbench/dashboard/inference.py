@@ -79,6 +79,7 @@ def _order(label: str) -> tuple[str, int]:
 
 
 def _kv_bars(latest: dict[str, tuple[int, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each replica's blocks now, stacked to its total; its figures in the hover text."""
     labels = list(latest)
     blocks = [block for _, block in latest.values()]
     used = [int(b.get("blocks_used", 0)) for b in blocks]

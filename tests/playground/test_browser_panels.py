@@ -1,0 +1,277 @@
+"""The dashboard's extra panels in a real browser: JupyterLab with our extension in Debian's
+Chromium (Playwright), one notebook whose cells each bring a panel, run from the UI.
+
+What is protected: a pipeline: while a ``%%colossal --plan "pp=2 mb=4"`` cell trains an
+``nn.Sequential`` over two stages, the stage timeline (one row per pipeline rank, a bar per
+forward and backward) is drawn both in the live plot under the cell and on the extension's
+dashboard page, and the dashboard page's communication chart names the pipeline's
+point-to-point traffic. Heterogeneous memory: while the next cell trains a tiny GPT-2 with its
+whole model state offloaded to disk, the offload panel ("model state per tier") shows both
+ranks with a non-zero disk tier, under the cell and on the dashboard page. Inference: while
+the next cell's engine (two dp replicas of a tiny GPT-2) generates for 16 requests, the
+dashboard page's inference panel shows both replicas' KV blocks in use, generated tokens/s and
+requests waiting in the queue, and the panel under the cell draws the same series. No cell
+ends in an error.
+Screenshots go to ``artifacts/browser/`` (7 to 12; the notebook's once the cells are done).
+
+One JupyterLab and one pool for the three panels, as the budget of ``make test`` wants; each
+verdict is judged inside the pages by samplers (setInterval, 200 ms) that record what the
+plots hold next to whether the cell was running (in the notebook: its last line not yet
+printed; on the page: its status).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.browser import ARTIFACTS, MS, lab_page, run_all_cells, wait_for_plot, write_notebook
+
+pytestmark = pytest.mark.engines
+
+PIPELINE_CELL = """%%colossal --plan "pp=2 mb=4" --dashboard
+import time
+import torch
+from torch import nn
+from kernels_runtime.api import parallelize, train_step
+from kernels_runtime.mesh.context import ParallelContext
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                      nn.Linear(16, 2))
+model, opt = parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         ctx=ParallelContext.build(plan, comm), verbose=False)
+
+def mse(m, batch):
+    return nn.functional.mse_loss(m(batch[0]), batch[1])
+
+for step in range(60):  # paced, so the plots have time to move
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
+    result = train_step(model, opt, list(zip(x.chunk(4), y.chunk(4))), mse)
+    time.sleep(0.25)
+print(f"pipeline trained {step + 1} steps, loss {result.loss:.4f}")"""
+
+OFFLOAD_CELL = """%%colossal --plan "OFFLOAD_PLAN" --dashboard
+import time
+import torch
+import transformers
+from kernels_runtime.api import parallelize, train_step
+from kernels_runtime.mesh.context import ParallelContext
+
+transformers.logging.set_verbosity_error()
+torch.manual_seed(0)
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+    n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0))
+model, opt = parallelize(model, torch.optim.AdamW(model.parameters()),
+                         ctx=ParallelContext.build(plan, comm), verbose=False)
+for step in range(80):  # paced, so the plots have time to move
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step + rank))
+    result = train_step(model, opt, [(ids, ids)])
+    time.sleep(0.2)
+print(f"offloaded {step + 1} steps, {opt.sync.tier_bytes()['disk']} bytes on disk")
+""".replace("OFFLOAD_PLAN", "dp=2 zero=2 offload=static offload_params=1 offload_grads=1 "
+            "offload_optim=1 host_mem=0")  # all model state on disk between steps
+
+INFERENCE_CELL = """%%colossal --plan "dp=2" --dashboard
+import time
+import torch
+import transformers
+from kernels_runtime.inference import Engine, SamplingParams
+
+transformers.logging.set_verbosity_error()
+torch.manual_seed(0)
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+    n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=128, bos_token_id=0, eos_token_id=0))
+engine = Engine(model, plan, comm=comm, kv_mem="96KiB", block_size=8, max_num_seqs=4,
+                verbose=False)  # 24 blocks of 8 tokens per replica: 4 requests preempt
+prompts = [[1 + (i * 7 + j) % 60 for j in range(5 + 3 * i)] for i in range(16)]
+outs = engine.generate(prompts, SamplingParams(max_new_tokens=60, ignore_eos=True),
+                       on_step=lambda changed: time.sleep(0.05))  # paced, so the plots move
+errors = [o.error for o in outs if o.error]
+print(f"generated {sum(len(o.token_ids) for o in outs)} tokens for {len(outs)} requests",
+      errors or "")
+"""
+
+# Sampled in both pages: the stage timeline's bars (the plot titled "pipeline stages" under the
+# pipeline cell; the page's #stages) and the offload panel's disk bars, from the data plotly.js
+# keeps on the plot (the plot titled "model state per tier" under its cell; the page's #offload),
+# and the inference panel's KV bars per replica, tokens/s and waiting requests (the plot
+# titled "inference engine"; the page's #inference). A cell is found by text of its first line:
+# a cell's editor holds only the lines it has drawn, and a cell out of view draws few.
+PANELS_JS = """
+  const bars = plot => plot ? plot.querySelectorAll('.barlayer .point').length : 0;
+  const disk = plot => {
+    const t = plot && (plot.data || []).find(t => t.name === 'model state: disk');
+    return t ? {ranks: [...t.x], disk: [...t.y]} : {ranks: [], disk: []};
+  };
+  const most = (plot, name) => {
+    const t = plot && (plot.data || []).find(t => t.name === name);
+    return t && t.y.length ? Math.max(...t.y) : 0;
+  };
+  const kv = plot => {
+    const t = plot && (plot.data || []).find(t => t.name === 'KV blocks: used (unshared)');
+    return {replicas: t ? [...t.x] : [], used: t ? [...t.y] : [],
+            tokens: most(plot, 'generated tokens/s: all replicas'),
+            waiting: most(plot, 'queue: waiting')};
+  };
+  window.__stages = [];
+  window.__offload = [];
+  window.__inference = [];"""
+PANELS_SAMPLER = """() => {__PANELS__
+  const cellOf = text => [...document.querySelectorAll('.jp-CodeCell')]
+    .find(c => c.textContent.includes(text));
+  const titled = (cell, title) => cell && [...cell.querySelectorAll('.js-plotly-plot')]
+    .find(p => (p.querySelector('.gtitle') || {}).textContent?.startsWith(title));
+  // A cell runs, as far as the notebook has drawn it, until its last line is printed: outputs
+  // and widget updates arrive in order on one channel, while the prompt's number comes on
+  // another and runs ahead of them when the browser lags behind a busy kernel.
+  const output = cell => cell ? (cell.querySelector('.jp-OutputArea') || {}).textContent || ''
+    : '';
+  const prompt = cell => (cell.querySelector('.jp-InputPrompt') || {}).textContent || '';
+  // until every cell has run, the view follows the cell being drawn (the last with outputs),
+  // where its panels join, as a user's would: the notebook draws only the cells in view
+  const follow = () => {
+    const cells = [...document.querySelectorAll('.jp-CodeCell')];
+    if (!cells.some(c => prompt(c).includes('*'))) { return; }
+    const cell = cells.filter(c => c.querySelector('.jp-OutputArea-output')).pop();
+    const box = cell && cell.getBoundingClientRect();
+    if (box && (box.bottom > window.innerHeight || box.bottom < 100)) {
+      cell.scrollIntoView({block: 'end'});
+    }
+  };
+  setInterval(() => {
+    follow();
+    const pipeline = cellOf('pp=2 mb=4'), offload = cellOf('offload=static');
+    const inference = cellOf('"dp=2" --dashboard');
+    window.__stages.push({bars: bars(titled(pipeline, 'pipeline stages')),
+                          running: !output(pipeline).includes('pipeline trained')});
+    window.__offload.push({...disk(titled(offload, 'model state per tier')),
+                           running: !output(offload).includes('offloaded ')});
+    window.__inference.push({...kv(titled(inference, 'inference engine')),
+                             running: !output(inference).includes('generated ')});
+  }, 200);
+}""".replace("__PANELS__", PANELS_JS)
+PAGE_PANELS_SAMPLER = """() => {__PANELS__
+  const shown = id => document.getElementById(id).hidden ? null : document.getElementById(id);
+  setInterval(() => {
+    const running = document.getElementById('status').dataset.cellRunning === 'true';
+    window.__stages.push({bars: bars(shown('stages')), running});
+    window.__offload.push({...disk(shown('offload')), running});
+    window.__inference.push({...kv(shown('inference')), running});
+  }, 200);
+}""".replace("__PANELS__", PANELS_JS)
+SHOWN_WHILE_RUNNING = """id => {
+  const el = document.getElementById(id);
+  return !el.hidden && el.querySelectorAll('.barlayer .point').length > 0
+    && document.getElementById('status').dataset.cellRunning === 'true';
+}"""
+
+
+# The page's inference panel has drawn a few seconds of generation (polled every 0.5 s), so its
+# screenshot shows the lines moving; or the cell has ended, and the samplers judge.
+GENERATED_FOR_A_WHILE = """() => {
+  const t = (document.getElementById('inference').data || [])
+    .find(t => t.name === 'generated tokens/s: all replicas');
+  return (t && t.x.length >= 8)
+    || document.getElementById('status').dataset.cellRunning !== 'true';
+}"""
+
+
+def _on_disk_while_running(samples: list[dict]) -> list[dict]:
+    """Samples taken while the cell ran that show both ranks with model state on disk."""
+    return [s for s in samples if s["running"] and s["ranks"] == ["rank 0", "rank 1"]
+            and all(n > 0 for n in s["disk"])]
+
+
+def _generating(samples: list[dict], while_running: bool = True) -> list[dict]:
+    """Samples that show both replicas' KV blocks, tokens generated and requests kept waiting
+    (the series so far); ``while_running``: taken while the cell ran, with KV blocks in use."""
+    return [s for s in samples if s["replicas"] == ["replica 0", "replica 1"]
+            and s["tokens"] > 0 and s["waiting"] > 0
+            and (not while_running or (s["running"] and any(n > 0 for n in s["used"])))]
+
+
+# No news pop-up over the screenshots. (JupyterLab's default windowing stays: it skips drawing
+# the cells out of view, so the notebook's sampler keeps the running cell in view; drawing
+# every cell kept a loaded machine's browser minutes behind the kernel.)
+SETTINGS = {"@jupyterlab/apputils-extension/notification": {"fetchNews": "false"}}
+
+
+def _drawn(samples: list[dict]) -> str:
+    """What the samples saw of the panel while the cell ran, for a failure's message."""
+    running = [s for s in samples if s["running"]]
+    drawn = [s for s in running if s["replicas"]]
+    return f"{len(running)} samples while running, {len(drawn)} with the panel: {drawn[-5:]}"
+
+
+def test_stage_timeline_offload_and_inference_panels_while_their_cells_run(tmp_path):
+    with lab_page(tmp_path, "failure-pipeline.png", SETTINGS) as (page, server):
+        write_notebook(server, "pipeline_check.ipynb", [
+            "%load_ext workbench\n%colossal start -n 2", PIPELINE_CELL, OFFLOAD_CELL,
+            INFERENCE_CELL, "%colossal stop"])
+        sidebar = run_all_cells(page, server, "pipeline_check.ipynb", PANELS_SAMPLER)
+
+        pool = sidebar.locator(".jp-Colossal-pool[data-ranks='2']")
+        pool.wait_for(timeout=120 * MS)
+        href = pool.locator(".jp-Colossal-dashboardLink").get_attribute("href")
+        dash = page.context.new_page()
+        dash.goto(href if href.startswith("http") else server.url + href)
+        dash.wait_for_selector("#status[data-state]:not([data-state=''])", timeout=30 * MS)
+        dash.evaluate(PAGE_PANELS_SAMPLER)
+        # The page shows the running (or last) cell only, so each panel is caught there while
+        # its cell runs; the notebook keeps every cell's figures, so its screenshots can wait.
+        dash.wait_for_function(SHOWN_WHILE_RUNNING, arg="stages", timeout=180 * MS)
+        dash.screenshot(path=str(ARTIFACTS / "7-stage-timeline-dashboard-page.png"),
+                        full_page=True)
+        dash.locator("#comm .legendtext", has_text="pp p2p (sent)").wait_for(timeout=10 * MS)
+        dash.wait_for_function(SHOWN_WHILE_RUNNING, arg="offload", timeout=180 * MS)
+        dash.screenshot(path=str(ARTIFACTS / "9-offload-dashboard-page.png"), full_page=True)
+        dash.wait_for_function(SHOWN_WHILE_RUNNING, arg="inference", timeout=180 * MS)
+        dash.wait_for_function(GENERATED_FOR_A_WHILE, timeout=30 * MS)
+        dash.screenshot(path=str(ARTIFACTS / "11-inference-dashboard-page.png"), full_page=True)
+
+        last_prompt = page.locator(".jp-CodeCell .jp-InputPrompt").last
+        page.wait_for_function("el => /\\[\\d+\\]/.test(el.textContent)",
+                               arg=last_prompt.element_handle(), timeout=180 * MS)
+        wait_for_plot(page, "pp=2 mb=4", "pipeline stages", "8-stage-timeline-notebook.png")
+        wait_for_plot(page, "offload=static", "model state per tier",
+                      "10-offload-notebook.png")
+        wait_for_plot(page, '"dp=2" --dashboard', "inference engine",
+                      "12-inference-notebook.png")
+        errors = page.locator("[data-mime-type='application/vnd.jupyter.error']")
+        assert errors.count() == 0, errors.first.inner_text()
+        # the text of every cell, shown or not (JupyterLab skips rendering cells out of view)
+        text = page.locator(".jp-Notebook").text_content()
+        assert "pipeline trained 60 steps" in text and "offloaded 80 steps" in text
+        assert "generated 960 tokens for 16 requests" in text
+
+        notebook = [s for s in page.evaluate("window.__stages") if s["running"]]
+        drawn = [s["bars"] for s in notebook if s["bars"] > 0]
+        # 2 ranks x (4 forwards + 4 backwards), plus the idle bars of the receive waits
+        assert drawn and max(drawn) >= 16, f"no stage timeline under the running cell: {drawn}"
+        on_page = [s["bars"] for s in dash.evaluate("window.__stages")
+                   if s["running"] and s["bars"] > 0]
+        assert on_page and max(on_page) >= 16, f"no stage timeline on the page: {on_page}"
+        print(f"while the pipeline cell ran: {len(drawn)} samples with the stage timeline in "
+              f"the notebook, {len(on_page)} on the dashboard page")
+
+        notebook = _on_disk_while_running(page.evaluate("window.__offload"))
+        assert notebook, "no offload panel with both ranks on disk under the running cell"
+        on_page = _on_disk_while_running(dash.evaluate("window.__offload"))
+        assert on_page, "no offload panel with both ranks on disk on the dashboard page"
+        print(f"while the offloading cell ran: {len(notebook)} samples with both ranks' disk "
+              f"tier in the notebook, {len(on_page)} on the dashboard page")
+
+        samples = page.evaluate("window.__inference")
+        # the notebook draws a new figure's plot when the browser gets to it, which on a loaded
+        # machine can be after the cell (the panel's joining while the cell runs is
+        # tests/workbench/test_dashboard_inference.py's): its series must be there
+        notebook = _generating(samples, while_running=False)
+        assert notebook, f"no inference panel of both replicas under the cell: {_drawn(samples)}"
+        samples = dash.evaluate("window.__inference")
+        on_page = _generating(samples)
+        assert on_page, ("no inference panel with both replicas generating on the dashboard "
+                         f"page: {_drawn(samples)}")
+        print(f"while the engine generated: {len(on_page)} samples with both replicas' KV "
+              f"blocks in use on the dashboard page; the notebook drew the panel in "
+              f"{len(notebook)} samples, {len(_generating(notebook))} while the cell ran")
