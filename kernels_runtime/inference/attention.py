@@ -8,6 +8,10 @@ slots and attends each query over its own sequence's slots, so the model's proje
 RoPE and MLPs run unchanged on the flat row of tokens (``batch.py``). Transformers builds no
 mask for an attention function it has no mask function for, so no (T, T) mask is ever made.
 
+Decoders outside transformers that call ``scaled_dot_product_attention(..., is_causal=True)``
+(what the generic policy covers) are routed the same way by ``SdpaLayers``, a torch function
+mode that takes the n-th call of a forward as layer n's attention.
+
 Each sequence attends on its own (``scaled_dot_product_attention`` per span): a sequence whose
 blocks are consecutive reads its keys as a slice of the cache, in place; gathering a padded
 batch of every sequence's keys instead costs about nine times as much on a CPU (measured: 8 ms
@@ -19,13 +23,14 @@ step the model's own implementation runs (``paged`` restores it).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.functional import scaled_dot_product_attention as sdpa
+from torch.overrides import TorchFunctionMode
 
 from kernels_runtime.inference.batch import StepBatch
 from kernels_runtime.inference.kv_cache import PagedKVCache
@@ -55,15 +60,13 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
     return o[0].reshape(heads, n, d)
 
 
-def paged_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                    attention_mask: Tensor | None, scaling: float | None = None,
-                    dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, None]:
-    """query (1, H, T, d), key/value (1, Hkv, T, d) of the step's T new tokens ->
-    (1, T, H, d), as transformers' attention functions return it."""
-    layer: PagedLayer | None = module.__dict__.get(ATTRIBUTE)
-    if layer is None or layer.batch is None:
-        raise RuntimeError("paged attention runs only inside an inference engine step")
+def paged_core(layer: PagedLayer, query: Tensor, key: Tensor, value: Tensor,
+               scaling: float | None) -> Tensor:
+    """Write the step's keys and values into ``layer``'s cache and attend every sequence over
+    its own: query (1, H, T, d), key/value (1, Hkv, T, d) -> (H, T, d)."""
     batch = layer.batch
+    if batch is None:
+        raise RuntimeError("paged attention runs only inside an inference engine step")
     cache_k, cache_v = layer.cache.layer(layer.index)  # (Hkv, slots, d)
     cache_k.index_copy_(1, batch.slots, key[0].to(cache_k.dtype))  # the step's new (Hkv, T, d)
     cache_v.index_copy_(1, batch.slots, value[0].to(cache_v.dtype))
@@ -76,8 +79,41 @@ def paged_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
             keys = span.slots
         parts.append(_attend(q_all[:, span.rows], cache_k[:, keys], cache_v[:, keys],
                              span.mask, scaling))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (H, T, d)
-    return out.transpose(0, 1)[None], None  # (1, T, H, d)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (H, T, d)
+
+
+def paged_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                    attention_mask: Tensor | None, scaling: float | None = None,
+                    dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, None]:
+    """transformers' attention function: query (1, H, T, d), key/value (1, Hkv, T, d) of the
+    step's T new tokens -> (1, T, H, d)."""
+    layer: PagedLayer | None = module.__dict__.get(ATTRIBUTE)
+    if layer is None:
+        raise RuntimeError("paged attention runs only inside an inference engine step")
+    return paged_core(layer, query, key, value, scaling).transpose(0, 1)[None], None
+
+
+class SdpaLayers(TorchFunctionMode):
+    """For decoders outside transformers (the generic policy's): within the mode, the n-th
+    call to ``scaled_dot_product_attention`` of a forward is layer n's attention and goes to
+    ``handler(n, query, key, value, scale)``, which returns what SDPA would, (b, H, s, d)."""
+
+    def __init__(self, handler: Callable[..., Tensor]) -> None:
+        super().__init__()
+        self.handler, self.calls = handler, 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not sdpa:
+            return func(*args, **kwargs)
+        query, key, value = args[:3]
+        if kwargs.get("attn_mask") is not None or not kwargs.get("is_causal", False):
+            raise TypeError("a decoder served by the engine calls scaled_dot_product_attention"
+                            " with is_causal=True and no attn_mask (the engine supplies the "
+                            "causal structure of every request)")
+        index, self.calls = self.calls, self.calls + 1
+        return self.handler(index, query, key, value, kwargs.get("scale"))
 
 
 def install(attention_modules: list[nn.Module], cache: PagedKVCache) -> list[PagedLayer]:
@@ -107,12 +143,20 @@ def implementation(config: Any, name: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def paged(config: Any, layers: list[PagedLayer], batch: StepBatch) -> Iterator[None]:
-    """Within the block, the model attends through the cache for ``batch``."""
+    """Within the block, the model attends through the cache for ``batch`` (an HF model via
+    its config, a generic decoder via ``SdpaLayers``)."""
     for layer in layers:
         layer.batch = batch
     try:
-        with implementation(config, ATTENTION_NAME):
-            yield
+        if config is None:
+            def handler(i: int, q: Tensor, k: Tensor, v: Tensor, scale: Any) -> Tensor:
+                return paged_core(layers[i], q, k, v, scale)[None]  # (1, H, T, d)
+
+            with SdpaLayers(handler):
+                yield
+        else:
+            with implementation(config, ATTENTION_NAME):
+                yield
     finally:
         for layer in layers:
             layer.batch = None

@@ -15,6 +15,7 @@ tensor parallelism) and gathers the results to every rank.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels_runtime.inference.attention import install
+from kernels_runtime.inference.attention import PagedLayer, install
 from kernels_runtime.inference.batch import build_batch
 from kernels_runtime.inference.blocks import BlockPool
 from kernels_runtime.inference.kv_cache import PagedKVCache, blocks_for, bytes_per_block
@@ -97,19 +98,14 @@ class Engine:
             raise PlanError(problem)
         self.model, self.state, self.ctx = model.eval(), state, state.ctx
         self.tokenizer, self.block_size = tokenizer, block_size
-        config = getattr(model, "config", None)
-        layout = state.policy.model_layout(model)
-        if config is None or layout is None or layout.attention is None \
-                or not layout.attention.causal:
-            raise TypeError(f"the inference engine serves HF causal decoders (GPT-2, LLaMA, "
-                            f"Mistral, Qwen2/3); {type(model).__name__} is not one")
-        attention = [find_module(b, layout.attention.path)[1] for b in state.blocks]
-        self.vocab = int(config.vocab_size)
-        limit = getattr(config, "max_position_embeddings", None) or 2**31
+        attention, hidden = _attention_modules(model, state, max_model_len)
+        config = model.config if attention is not None else None
+        limit = getattr(config, "max_position_embeddings", None) or max_model_len or 2**31
         self.max_model_len = min(max_model_len or limit, limit)
         dtype = compute_dtype(self.ctx.plan.precision)
-        self.runner = ModelRunner(model, state, attention, int(config.hidden_size), dtype)
+        self.runner = ModelRunner(model, state, attention, hidden, dtype)
         shapes = self.runner.probe()
+        self.vocab = int(config.vocab_size) if config is not None else self.runner.vocab
         self.kv_mem = self._budget(kv_mem, shapes, dtype, max_num_seqs)
         blocks = torch.tensor([blocks_for(self.kv_mem, shapes, block_size, dtype)])
         self.ctx.comm.all_reduce(blocks, op=dist.ReduceOp.MIN)  # one block table fits all
@@ -120,7 +116,8 @@ class Engine:
                              f"{block_size} tokens ({human_bytes(per)} on this rank); give at "
                              "least that")
         self.cache = PagedKVCache(shapes, num_blocks, block_size, dtype, self.ctx.device)
-        self.runner.layers = install(attention, self.cache)
+        self.runner.layers = install(attention, self.cache) if attention is not None \
+            else [PagedLayer(self.cache, i) for i in range(len(shapes))]
         self.pool = BlockPool(num_blocks, block_size, prefix_sharing)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_batch_tokens, preemption)
         self.eos = _eos_ids(model)
@@ -363,6 +360,32 @@ def prompt_ids_or_empty(prompt: Any, tokenizer: Any) -> list[int]:
         return [i for i in prompt if isinstance(i, int)]
     except Exception:  # noqa: BLE001 - a rejected request's echo is best effort
         return []
+
+
+def _attention_modules(model: nn.Module, state: Any,
+                       max_model_len: int | None) -> tuple[list[nn.Module] | None, int]:
+    """(HF attention modules of this rank's blocks, hidden size), or (None, 0) for a decoder
+    the generic policy covers, which must take ``position_ids`` and bound its context."""
+    config = getattr(model, "config", None)
+    layout = state.policy.model_layout(model)
+    if config is not None and layout is not None and layout.attention is not None:
+        if not layout.attention.causal:
+            raise TypeError(f"the inference engine serves causal decoders; "
+                            f"{type(model).__name__} attends both ways")
+        return ([find_module(b, layout.attention.path)[1] for b in state.blocks],
+                int(config.hidden_size))
+    name = type(model).__name__
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        raise TypeError(f"{name} is served as a generic decoder, whose forward must take "
+                        "position_ids (the engine runs every request's tokens in one row, "
+                        "each at its own position): forward(input_ids, position_ids)")
+    if not max_model_len:
+        raise TypeError(f"{name} is served as a generic decoder: give its context length, "
+                        "Engine(..., max_model_len=N)")
+    if state.ctx.size("pp") > 1:
+        raise TypeError(f"{name}: inference pipelines need an HF decoder (their stages run "
+                        "the model's own forward); use tp or dp replicas")
+    return None, 0
 
 
 def _index(out: RequestOutput) -> int:

@@ -9,8 +9,10 @@ sends them on; the last stage computes the logits of the sampled positions only
 fitting a model, not for speed.
 
 ``probe`` runs one token through the model once, with an attention function that records what
-each attention layer of this rank hands it (key/value heads, head size, dtype): the cache's
-shape comes from the model as it runs, under any split, rather than from config arithmetic.
+each attention layer of this rank hands it (key/value heads, head size): the cache's shape
+comes from the model as it runs, under any split, rather than from config arithmetic. A
+decoder outside transformers is called with ``position_ids`` and its
+``scaled_dot_product_attention`` calls are its layers (``attention.SdpaLayers``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kernels_runtime.inference.attention import PagedLayer, implementation, paged
+from kernels_runtime.inference.attention import PagedLayer, SdpaLayers, implementation, paged
 from kernels_runtime.inference.batch import StepBatch
 from kernels_runtime.inference.kv_cache import LayerShape
 from kernels_runtime.mesh.context import ParallelContext
@@ -31,11 +33,14 @@ _PROBE = "colossal_probe"
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, state: ParallelState, attention: list[nn.Module],
+    def __init__(self, model: nn.Module, state: ParallelState, attention: list[nn.Module] | None,
                  hidden: int, dtype: torch.dtype) -> None:
+        """``attention``: the HF attention modules of this rank's blocks, or None for a
+        generic decoder (its attention calls are found by ``SdpaLayers``)."""
         self.model, self.state, self.ctx = model, state, state.ctx
         self.attention, self.hidden, self.dtype = attention, hidden, dtype
-        self.config = model.config
+        self.config = model.config if attention is not None else None
+        self.vocab: int | None = None  # seen by the probe
         self.pipeline = state.schedule  # a PipelineRunner under pp > 1
         ctx: ParallelContext = state.ctx
         self.pp, self.stage = ctx.size("pp"), ctx.coord("pp")
@@ -60,6 +65,9 @@ class ModelRunner:
         """This stage's part of the forward; without ``exchange`` (the probe) a later stage
         starts from zeros and nothing is sent."""
         def call() -> Any:
+            if self.config is None:  # a generic decoder: every position's logits, then kept
+                out = self.model(input_ids=ids, position_ids=positions)
+                return getattr(out, "logits", out)[:, keep]
             return self.model(input_ids=ids, position_ids=positions, logits_to_keep=keep,
                               use_cache=False).logits
 
@@ -84,26 +92,39 @@ class ModelRunner:
     def probe(self) -> list[LayerShape]:
         """The key/value shape each of this rank's attention layers sees (one token's forward;
         every rank of the replica runs it together, as tensor-parallel layers communicate)."""
-        from transformers import AttentionInterface
+        seen: dict[Any, LayerShape] = {}
 
-        seen: dict[int, LayerShape] = {}
+        def shape(key: Tensor) -> LayerShape:
+            return LayerShape(int(key.shape[1]), int(key.shape[3]))
 
-        def record(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, *args: Any,
-                   **kwargs: Any) -> tuple[Tensor, None]:
-            seen[id(module)] = LayerShape(int(key.shape[1]), int(key.shape[3]))
-            return query.new_zeros(query.shape[0], query.shape[2], query.shape[1],
-                                   query.shape[3]), None
-
-        AttentionInterface.register(_PROBE, record)
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.ctx.device)
         keep = torch.zeros(1, dtype=torch.long, device=self.ctx.device)
-        with torch.no_grad(), implementation(self.config, _PROBE):
-            self._stage_forward(ids, torch.zeros_like(ids), keep, exchange=False)
+        with torch.no_grad():
+            if self.config is None:
+                def call(i: int, q: Tensor, k: Tensor, v: Tensor, scale: Any) -> Tensor:
+                    seen[i] = shape(k)
+                    return torch.zeros_like(q)
+
+                with SdpaLayers(call):
+                    out = self._stage_forward(ids, torch.zeros_like(ids), keep, exchange=False)
+                self.vocab = int(out.shape[-1]) if out is not None else None
+                return [seen[i] for i in sorted(seen)]
+            from transformers import AttentionInterface
+
+            def record(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                       *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
+                seen[id(module)] = shape(key)
+                return query.new_zeros(query.shape[0], query.shape[2], query.shape[1],
+                                       query.shape[3]), None
+
+            AttentionInterface.register(_PROBE, record)
+            with implementation(self.config, _PROBE):
+                self._stage_forward(ids, torch.zeros_like(ids), keep, exchange=False)
         missing = [m for m in self.attention if id(m) not in seen]
         if missing:
             raise TypeError(
                 f"{type(missing[0]).__name__} does not compute attention through transformers' "
                 "attention interface (ALL_ATTENTION_FUNCTIONS), so the paged KV cache cannot "
                 "reach it; the inference engine serves HF decoders that do (GPT-2, LLaMA, "
-                "Mistral, Qwen2/3)")
+                "Mistral, Qwen2/3) and decoders calling scaled_dot_product_attention")
         return [seen[id(m)] for m in self.attention]
