@@ -91,7 +91,8 @@ def _engine(rank: int, world: int, state: dict, plan: str) -> list:
     return [(o.token_ids, torch.stack(o.logits)) for o in outs]
 
 
-@pytest.mark.parametrize(("plan", "n"), [("dp=1", 1), ("tp=2", 2)])
+@pytest.mark.parametrize(("plan", "n"), [("dp=1", 1),
+                                         pytest.param("tp=2", 2, marks=pytest.mark.slow)])
 def test_a_generic_decoder_generates_what_recomputing_gives(ranks, plan, n):
     model = trained_decoder()
     got = ranks(n).run(_engine, model.state_dict(), plan, timeout_s=300)[0]
