@@ -46,9 +46,16 @@ def shell():
 
 
 @pytest.fixture(scope="session")
-def trained(tmp_path_factory) -> dict[str, str]:
-    """Tiny GPT-2 and LLaMA trained for 200 steps (``helpers/inference.py``): weight files."""
+def trained(tmp_path_factory):
+    """Tiny GPT-2 and LLaMA trained for 200 steps (``helpers/inference.py``): ``trained[kind]``
+    is a weight file, trained on first use (most tests need only GPT-2)."""
     from helpers import inference as inf
 
     folder = tmp_path_factory.mktemp("trained")
-    return {kind: str(inf.train(kind, folder)) for kind in ("gpt2", "llama")}
+
+    class Trained(dict):
+        def __missing__(self, kind: str) -> str:
+            self[kind] = str(inf.train(kind, folder))
+            return self[kind]
+
+    return Trained()
