@@ -158,8 +158,14 @@ def test_a_disconnected_stream_is_aborted_and_frees_its_blocks(served):
                       headers=headers) as response:
         lines = response.iter_lines()
         assert json.loads(next(lines)[6:])["choices"][0]["text"] is not None
-        for _ in range(4):
+        held = 0.0
+        for _ in range(100):  # while it streams, its blocks are in use
             next(lines)
+            text = httpx.get(served["url"] + "/metrics", headers=headers).text
+            held = float(text.split("workbench_kv_blocks_used ")[1].split()[0])
+            if held > 0:
+                break
+        assert held > 0, "the streaming request held no KV blocks"
     deadline = time.monotonic() + 10
     metrics = ""
     while time.monotonic() < deadline:
