@@ -8,7 +8,8 @@ not block the host while the device is busy (no timed host wait on nccl); its ti
 from device events without a synchronize; ``train_step`` of a tiny GPT-2 on the GPU records a
 step split from events; a checkpoint round trip restores the weights and the CUDA RNG state;
 offloaded training (state in pinned host memory, parameters prefetched to the device on a side
-stream) gives the same losses.
+stream) gives the same losses; the inference engine's paged KV cache on the device gives HF
+``generate``'s greedy tokens, also when a small cache swaps requests to pinned host memory.
 """
 
 from __future__ import annotations
@@ -87,10 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         checks["checkpoint_round_trip"] = same
         checks["cuda_rng_restored"] = torch.equal(torch.cuda.get_rng_state(), rng)
     checks.update(_offload(ctx, model.config))
+    checks.update(_inference(session.comm, model.config))
     session.close()
     ok = all(checks[k] is True for k in (
         "host_not_blocked", "split_sane", "checkpoint_round_trip", "cuda_rng_restored",
-        "offload_same_losses", "offload_prefetched"))
+        "offload_same_losses", "offload_prefetched", "inference_tokens_equal",
+        "inference_swapped_equal"))
     ok = ok and checks["timing_deferred_then_resolved"] == [0, 1]
     checks["ok"] = ok
     print(json.dumps(checks))
@@ -119,6 +122,34 @@ def _offload(ctx, config) -> dict:
     rel = max(abs(a - b) / abs(b) for a, b in zip(offloaded, plain))
     return {"offload_loss_rel": rel, "offload_same_losses": rel <= 1e-5,
             "offload_uploads": uploads, "offload_prefetched": uploads > 0}
+
+
+def _inference(comm, config) -> dict:
+    """The engine on the GPU: greedy tokens equal HF ``generate`` on the same device (fp32),
+    with a roomy cache and with one so small that requests swap to pinned host memory."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from kernels_runtime.inference import Engine, SamplingParams
+
+    torch.manual_seed(0)
+    reference = GPT2LMHeadModel(config).cuda().eval()
+    prompts = [torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (5, 30, 17, 40)]
+    expected = [reference.generate(torch.tensor([p], device="cuda"), max_new_tokens=16,
+                                   do_sample=False, pad_token_id=0, eos_token_id=None)
+                [0, len(p):].tolist() for p in prompts]
+    out = {}
+    for name, kwargs in (("tokens", {}), ("swapped", {"kv_mem": "96KiB",
+                                                      "preemption": "swap"})):
+        torch.manual_seed(0)
+        engine = Engine(GPT2LMHeadModel(config), "dp=1", comm=comm, verbose=False,
+                        max_batch_tokens=32, **kwargs)
+        got = engine.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
+        out[f"inference_{name}_equal"] = [o.token_ids for o in got] == expected
+        out[f"inference_{name}_preemptions"] = engine.stats()["preemptions"]
+    out["inference_device"] = str(engine.cache.device)
+    return out
 
 
 if __name__ == "__main__":
