@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         checks["checkpoint_round_trip"] = same
         checks["cuda_rng_restored"] = torch.equal(torch.cuda.get_rng_state(), rng)
     checks.update(_offload(ctx, model.config))
-    checks.update(_inference(session.comm, model.config))
+    checks.update(_inference(session.comm, model.config, "cuda"))
     session.close()
     ok = all(checks[k] is True for k in (
         "host_not_blocked", "split_sane", "checkpoint_round_trip", "cuda_rng_restored",
@@ -124,7 +124,7 @@ def _offload(ctx, config) -> dict:
             "offload_uploads": uploads, "offload_prefetched": uploads > 0}
 
 
-def _inference(comm, config) -> dict:
+def _inference(comm, config, device: str) -> dict:
     """The engine on the GPU: greedy tokens equal HF ``generate`` on the same device (fp32),
     with a roomy cache and with one so small that requests swap to pinned host memory."""
     import torch
@@ -133,14 +133,14 @@ def _inference(comm, config) -> dict:
     from kernels_runtime.inference import Engine, SamplingParams
 
     torch.manual_seed(0)
-    reference = GPT2LMHeadModel(config).cuda().eval()
+    reference = GPT2LMHeadModel(config).to(device).eval()
     prompts = [torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (5, 30, 17, 40)]
-    expected = [reference.generate(torch.tensor([p], device="cuda"), max_new_tokens=16,
+    expected = [reference.generate(torch.tensor([p], device=device), max_new_tokens=16,
                                    do_sample=False, pad_token_id=0, eos_token_id=None)
                 [0, len(p):].tolist() for p in prompts]
     out = {}
-    for name, kwargs in (("tokens", {}), ("swapped", {"kv_mem": "96KiB",
+    for name, kwargs in (("tokens", {}), ("swapped", {"kv_mem": "128KiB",
                                                       "preemption": "swap"})):
         torch.manual_seed(0)
         engine = Engine(GPT2LMHeadModel(config), "dp=1", comm=comm, verbose=False,
