@@ -2,7 +2,7 @@
  * The pools the server knows, refreshed by a Poll (as dask-labextension and ipyparallel's lab
  * extension do): the sidebar and the status item both render from this one model, so they
  * never disagree. Polls every 2 s, every 0.5 s while some pool is busy, and backs off when
- * the server does not answer.
+ * the server does not answer; every 0.5 s too while some pool serves an endpoint.
  */
 import { ServerConnection } from '@jupyterlab/services';
 import { Poll } from '@lumino/polling';
@@ -46,6 +46,25 @@ export interface ICell {
   failed?: boolean;
 }
 
+/** A serving endpoint's figures (workbench/dashboard/endpoint.py writes them). */
+export interface IEndpoint {
+  url: string;
+  engine: string;
+  model: string;
+  replicas: number;
+  status: 'serving' | 'failed' | 'stopping' | 'stopped';
+  failure: string | null;
+  requests: number;
+  failed: number;
+  requests_per_s: number;
+  in_flight: number;
+  running: number;
+  waiting: number;
+  kv_used: number;
+  kv_total: number;
+  line: string;
+}
+
 export interface IPool {
   id: string;
   kernel_id: string | null;
@@ -57,6 +76,8 @@ export interface IPool {
   world_size: number;
   ranks: IRank[];
   cell: ICell | null;
+  /** The endpoint `%colossal serve` runs on this pool, while it serves. */
+  endpoint?: IEndpoint | null;
 }
 
 export interface IActionReply {
@@ -109,7 +130,9 @@ export class PoolsModel {
       this._changed.emit();
       throw err; // the poll backs off
     }
-    const busy = this.pools.some(p => p.state !== 'running' && p.state !== 'stopped');
+    const busy = this.pools.some(
+      p => (p.state !== 'running' && p.state !== 'stopped') || p.endpoint
+    );
     const interval = busy ? BUSY_MS : IDLE_MS;
     if (this.poll.frequency.interval !== interval) {
       this.poll.frequency = { ...this.poll.frequency, interval };
@@ -159,4 +182,20 @@ export function formatBytes(n: number): string {
 /** What the UI calls a state: a running pool with no cell is "idle". */
 export function stateLabel(state: PoolState): string {
   return state === 'running' ? 'idle' : state;
+}
+
+/** A pool's state as the UI says it: "serving" while an endpoint runs on it. */
+export function poolLabel(pool: IPool): string {
+  return pool.endpoint && pool.state === 'running'
+    ? 'serving'
+    : stateLabel(pool.state);
+}
+
+/** "2.4 req/s, 3 in flight, queue 2 running / 1 waiting, KV 40/96 blocks" */
+export function endpointFigures(e: IEndpoint): string {
+  return (
+    `${e.requests_per_s.toFixed(1)} req/s, ${e.in_flight} in flight, ` +
+    `queue ${e.running} running / ${e.waiting} waiting, ` +
+    `KV ${e.kv_used}/${e.kv_total} blocks`
+  );
 }

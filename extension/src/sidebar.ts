@@ -1,20 +1,24 @@
 /**
  * The "Colossal" left sidebar: one card per pool (ranks, device per rank, memory per tier,
- * busy or idle, Start / Stop / Restart, a link to the live dashboard page), plus a row for
- * the active notebook's kernel so a pool can be started from here when it has none.
+ * busy or idle, Start / Stop / Restart, a link to the live dashboard page, and while
+ * `%colossal serve` runs on it the endpoint: address, state or failure, requests/s, in
+ * flight, the engines' queue and KV blocks), plus a row for the active notebook's kernel so a
+ * pool can be started from here when it has none.
  *
- * Plain DOM, re-rendered from the PoolsModel on every refresh: the content is small and the
- * extension stays free of React.
+ * Plain DOM, rendered from the PoolsModel on every refresh and patched into the nodes shown
+ * (what did not change stays): the content is small and the extension stays free of React.
  */
 import { Widget } from '@lumino/widgets';
 
 import {
+  IEndpoint,
   IPool,
   IRank,
   PoolAction,
   PoolsModel,
+  endpointFigures,
   formatBytes,
-  stateLabel
+  poolLabel
 } from './model';
 import { apiUrl } from './request';
 
@@ -53,6 +57,55 @@ const ACTIONS_ALLOWED: Record<string, PoolAction[]> = {
   failed: ['start', 'restart']
 };
 
+/**
+ * Make `target` look like `source`, keeping the nodes that stay: a refresh (twice a second
+ * while an endpoint serves) must not replace a button under the pointer, which would lose a
+ * click that lands between its press and release.
+ */
+function patch(target: Node, source: Node): void {
+  if (target instanceof HTMLElement && source instanceof HTMLElement) {
+    for (const name of target.getAttributeNames()) {
+      if (!source.hasAttribute(name)) {
+        target.removeAttribute(name);
+      }
+    }
+    for (const name of source.getAttributeNames()) {
+      const value = source.getAttribute(name) as string;
+      if (target.getAttribute(name) !== value) {
+        target.setAttribute(name, value);
+      }
+    }
+    if (target instanceof HTMLButtonElement && source instanceof HTMLButtonElement) {
+      target.disabled = source.disabled;
+      target.onclick = source.onclick; // the handler of this render (its pool, its state)
+    }
+  } else if (target.textContent !== source.textContent) {
+    target.textContent = source.textContent;
+    return;
+  }
+  const old = Array.from(target.childNodes);
+  const fresh = Array.from(source.childNodes);
+  fresh.forEach((child, i) => {
+    const mine = old[i];
+    if (
+      mine === undefined ||
+      mine.nodeType !== child.nodeType ||
+      mine.nodeName !== child.nodeName
+    ) {
+      if (mine === undefined) {
+        target.appendChild(child);
+      } else {
+        target.replaceChild(child, mine);
+      }
+    } else {
+      patch(mine, child);
+    }
+  });
+  for (const extra of old.slice(fresh.length)) {
+    target.removeChild(extra);
+  }
+}
+
 export class ColossalSidebar extends Widget {
   constructor(
     private model: PoolsModel,
@@ -90,7 +143,12 @@ export class ColossalSidebar extends Widget {
             'No pool. Run %colossal start in a notebook, or Start one here.'
           )
     );
-    this.node.replaceChildren(content);
+    const current = this.node.firstElementChild;
+    if (current === null) {
+      this.node.replaceChildren(content);
+    } else {
+      patch(current, content);
+    }
   }
 
   private renderActive(): HTMLElement | null {
@@ -110,7 +168,7 @@ export class ColossalSidebar extends Widget {
       h(
         'strong',
         {},
-        hasLive ? `pool ${stateLabel(pool!.state)}` : 'no running pool'
+        hasLive ? `pool ${poolLabel(pool!)}` : 'no running pool'
       ),
       ' ',
       hasLive ? null : start
@@ -126,7 +184,7 @@ export class ColossalSidebar extends Widget {
       h(
         'span',
         { class: 'jp-Colossal-state', 'data-state': pool.state },
-        `${pool.world_size} ranks, ${stateLabel(pool.state)}`
+        `${pool.world_size} ranks, ${poolLabel(pool)}`
       )
     );
     const allowed = pool.kernel_here ? ACTIONS_ALLOWED[pool.state] || [] : [];
@@ -172,8 +230,34 @@ export class ColossalSidebar extends Widget {
       header,
       pool.error ? h('div', { class: 'jp-Colossal-error' }, pool.error) : null,
       pool.ranks.length ? this.renderRanks(pool.ranks) : null,
+      pool.endpoint ? this.renderEndpoint(pool.endpoint) : null,
       cell,
       buttons
+    );
+  }
+
+  private renderEndpoint(e: IEndpoint): HTMLElement {
+    return h(
+      'div',
+      {
+        class: 'jp-Colossal-endpoint',
+        'data-status': e.status,
+        'data-url': e.url,
+        'data-requests': String(e.requests),
+        'data-requests-per-s': String(e.requests_per_s),
+        'data-in-flight': String(e.in_flight),
+        'data-kv-used': String(e.kv_used),
+        'data-kv-total': String(e.kv_total)
+      },
+      h(
+        'div',
+        { class: 'jp-Colossal-endpointHead' },
+        h('strong', {}, e.status),
+        ` ${e.engine} at `,
+        h('code', {}, e.url)
+      ),
+      h('div', { class: 'jp-Colossal-endpointFigures' }, endpointFigures(e)),
+      e.failure ? h('div', { class: 'jp-Colossal-error' }, e.failure) : null
     );
   }
 

@@ -1,10 +1,11 @@
 /**
- * The status-bar item: the focused notebook's pool ("Colossal: 2 ranks, busy"), or a count
+ * The status-bar item: the focused notebook's pool ("Colossal: 2 ranks, busy", "serving"
+ * while an endpoint runs on it), or a count
  * of pools when the focused notebook has none. Clicking it opens the sidebar.
  */
 import { Widget } from '@lumino/widgets';
 
-import { PoolsModel, stateLabel } from './model';
+import { PoolsModel, poolLabel } from './model';
 
 export class ColossalStatus extends Widget {
   constructor(
@@ -24,7 +25,7 @@ export class ColossalStatus extends Widget {
     const pool = this.model.poolOfKernel(this.kernelId());
     let text: string;
     if (pool && pool.state !== 'stopped') {
-      text = `Colossal: ${pool.world_size} ranks, ${stateLabel(pool.state)}`;
+      text = `Colossal: ${pool.world_size} ranks, ${poolLabel(pool)}`;
     } else {
       const live = this.model.pools.filter(p => p.state !== 'stopped').length;
       text = live ? `Colossal: ${live} pool${live > 1 ? 's' : ''}` : 'Colossal: no pool';

@@ -1,6 +1,7 @@
 """Driving JupyterLab in Debian's Chromium with Playwright, for the browser tests.
 
-One JupyterLab per test (``lab_page``) on a copy of the notebooks, screenshots into
+One JupyterLab per test (``lab_page``), or per module (``lab_session`` in a fixture, each test
+in ``reporting``), on a copy of the notebooks, screenshots into
 ``artifacts/browser/``, and on a failure the page, the browser console and the server log in
 the error. Chromium comes from apt (``.ci/run`` installs it); Playwright's own browser download
 is not used. Without /usr/bin/chromium a test skips, unless WORKBENCH_REQUIRE_BROWSER is set
@@ -13,7 +14,9 @@ import contextlib
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,13 +44,20 @@ def require_browser() -> None:
         pytest.skip(reason)
 
 
+@dataclass
+class Lab:
+    """A JupyterLab and the Chromium page driving it, with the browser console so far."""
+
+    page: Any
+    server: Any  # helpers.jupyter.LabServer
+    console: list[str]
+
+
 @contextlib.contextmanager
-def lab_page(tmp_path: Path, failure: str,
-             settings: dict[str, dict] | None = None) -> Iterator[tuple]:
-    """(page, server): JupyterLab on a copy of the notebooks, in Chromium, with the user
-    ``settings`` given (``{"@jupyterlab/notebook-extension/tracker": {...}}``). On a failure
-    the page is saved as ``failure`` and the browser console and the server log join the
-    error."""
+def lab_session(tmp_path: Path, settings: dict[str, dict] | None = None) -> Iterator[Lab]:
+    """JupyterLab on a copy of the notebooks, in Chromium, with the user ``settings`` given
+    (``{"@jupyterlab/notebook-extension/tracker": {...}}``): for one test (``lab_page``) or
+    for a module's tests in a fixture, each wrapping its body in ``reporting``."""
     require_browser()
     from playwright.sync_api import sync_playwright
 
@@ -57,27 +67,41 @@ def lab_page(tmp_path: Path, failure: str,
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
     server = start_lab(tmp_path, copy_notebooks=True)
-    console: list[str] = []
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=LAUNCH_ARGS)
             context = browser.new_context(viewport={"width": 1500, "height": 950})
             context.set_default_timeout(60 * MS)  # a loaded 2-core machine answers slowly
-            page = context.new_page()
-            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+            lab = Lab(context.new_page(), server, [])
+            lab.page.on("console", lambda m: lab.console.append(f"{m.type}: {m.text}"))
             try:
-                yield page, server
-            except BaseException:
-                page.screenshot(path=str(ARTIFACTS / failure))
-                raise
+                yield lab
             finally:
                 browser.close()
-    except BaseException as err:
-        raise AssertionError(
-            f"{err}\n--- browser console ---\n" + "\n".join(console[-30:])
-            + f"\n--- workbench lab log ---\n{server.log_tail(30)}") from err
     finally:
         stop_lab(server)
+
+
+@contextlib.contextmanager
+def reporting(lab: Lab, failure: str) -> Iterator[None]:
+    """On a failure inside, the page is saved as ``failure`` and the browser console and the
+    server log join the error."""
+    try:
+        yield
+    except BaseException as err:
+        with contextlib.suppress(Exception):
+            lab.page.screenshot(path=str(ARTIFACTS / failure))
+        raise AssertionError(
+            f"{err}\n--- browser console ---\n" + "\n".join(lab.console[-30:])
+            + f"\n--- workbench lab log ---\n{lab.server.log_tail(30)}") from err
+
+
+@contextlib.contextmanager
+def lab_page(tmp_path: Path, failure: str,
+             settings: dict[str, dict] | None = None) -> Iterator[tuple]:
+    """(page, server) of a ``lab_session`` for one test, ``reporting`` as ``failure``."""
+    with lab_session(tmp_path, settings) as lab, reporting(lab, failure):
+        yield lab.page, lab.server
 
 
 def write_notebook(server, name: str, cells: list[str]) -> None:

@@ -11,20 +11,36 @@ ranks with a non-zero disk tier, under the cell and on the dashboard page. Infer
 the next cell's engine (two dp replicas of a tiny GPT-2) generates for 16 requests, the
 dashboard page's inference panel shows both replicas' KV blocks in use, generated tokens/s and
 requests waiting in the queue, and the panel under the cell draws the same series. No cell
-ends in an error.
-Screenshots go to ``artifacts/browser/`` (7 to 12; the notebook's once the cells are done).
+ends in an error. Serving: the last cell serves that engine (``%colossal serve``); while
+clients call it (threads in the test, over HTTP), the sidebar shows the endpoint under its pool
+with the address the cell printed, requests/s, requests in flight and KV blocks in use, and
+after the clients stop exactly the requests they made; the dashboard page shows the endpoint's
+line and panel and the serving ranks' inference panel; and the endpoint's figure under the
+serve cell keeps moving while no cell runs (widget updates sent from the kernel's display
+thread reach the browser after their cell ended). The sidebar's Stop then drains the endpoint
+and stops the pool, and the endpoint leaves the sidebar and the page.
+Screenshots go to ``artifacts/browser/`` (7 to 14; the notebook's once the cells are done).
 
-One JupyterLab and one pool for the three panels, as the budget of ``make test`` wants; each
-verdict is judged inside the pages by samplers (setInterval, 200 ms) that record what the
-plots hold next to whether the cell was running (in the notebook: its last line not yet
-printed; on the page: its status).
+One JupyterLab, one notebook and one pool for both tests, as the budget of ``make test`` wants
+(the ``panels`` fixture runs the notebook; each test keeps within its own time); each verdict
+is judged inside the pages by samplers (setInterval, 200 ms) that record what the plots hold
+next to whether the cell was running (in the notebook: its last line not yet printed; on the
+page: its status).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from helpers.browser import ARTIFACTS, MS, lab_page, run_all_cells, wait_for_plot, write_notebook
+from helpers.browser import (
+    ARTIFACTS,
+    MS,
+    lab_session,
+    reporting,
+    run_all_cells,
+    wait_for_plot,
+    write_notebook,
+)
 
 pytestmark = pytest.mark.engines
 
@@ -76,14 +92,17 @@ INFERENCE_CELL = """%%colossal --plan "dp=2" --dashboard
 import time
 import torch
 import transformers
+from kernels_runtime.data import ByteTokenizer
 from kernels_runtime.inference import Engine, SamplingParams
 
 transformers.logging.set_verbosity_error()
 torch.manual_seed(0)
 model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-    n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=128, bos_token_id=0, eos_token_id=0))
+    n_embd=32, n_layer=2, n_head=4, vocab_size=256, n_positions=128, bos_token_id=0,
+    eos_token_id=0))
+# 24 blocks of 8 tokens per replica: 4 requests preempt; a tokenizer, to be served in text
 engine = Engine(model, plan, comm=comm, kv_mem="96KiB", block_size=8, max_num_seqs=4,
-                verbose=False)  # 24 blocks of 8 tokens per replica: 4 requests preempt
+                tokenizer=ByteTokenizer(), verbose=False)
 prompts = [[1 + (i * 7 + j) % 60 for j in range(5 + 3 * i)] for i in range(16)]
 outs = engine.generate(prompts, SamplingParams(max_new_tokens=60, ignore_eos=True),
                        on_step=lambda changed: time.sleep(0.05))  # paced, so the plots move
@@ -91,6 +110,13 @@ errors = [o.error for o in outs if o.error]
 print(f"generated {sum(len(o.token_ids) for o in outs)} tokens for {len(outs)} requests",
       errors or "")
 """
+
+# Serves the engine above; the test calls it. No API key: the test process reads none of the
+# lab's files (the key's default is tests/workbench/test_serving.py's).
+SERVE_CELL = """from workbench.serving.server import free_port
+
+PORT = free_port()
+%colossal serve engine --port {PORT} --no-api-key"""
 
 # Sampled in both pages: the stage timeline's bars (the plot titled "pipeline stages" under the
 # pipeline cell; the page's #stages) and the offload panel's disk bars, from the data plotly.js
@@ -114,6 +140,8 @@ PANELS_JS = """
             tokens: most(plot, 'generated tokens/s: all replicas'),
             waiting: most(plot, 'queue: waiting')};
   };
+"""
+RESETS_JS = """
   window.__stages = [];
   window.__offload = [];
   window.__inference = [];"""
@@ -150,7 +178,7 @@ PANELS_SAMPLER = """() => {__PANELS__
     window.__inference.push({...kv(titled(inference, 'inference engine')),
                              running: !output(inference).includes('generated ')});
   }, 200);
-}""".replace("__PANELS__", PANELS_JS)
+}""".replace("__PANELS__", PANELS_JS + RESETS_JS)
 PAGE_PANELS_SAMPLER = """() => {__PANELS__
   const shown = id => document.getElementById(id).hidden ? null : document.getElementById(id);
   setInterval(() => {
@@ -159,7 +187,7 @@ PAGE_PANELS_SAMPLER = """() => {__PANELS__
     window.__offload.push({...disk(shown('offload')), running});
     window.__inference.push({...kv(shown('inference')), running});
   }, 200);
-}""".replace("__PANELS__", PANELS_JS)
+}""".replace("__PANELS__", PANELS_JS + RESETS_JS)
 SHOWN_WHILE_RUNNING = """id => {
   const el = document.getElementById(id);
   return !el.hidden && el.querySelectorAll('.barlayer .point').length > 0
@@ -204,20 +232,32 @@ def _drawn(samples: list[dict]) -> str:
     return f"{len(running)} samples while running, {len(drawn)} with the panel: {drawn[-5:]}"
 
 
-def test_stage_timeline_offload_and_inference_panels_while_their_cells_run(tmp_path):
-    with lab_page(tmp_path, "failure-pipeline.png", SETTINGS) as (page, server):
-        write_notebook(server, "pipeline_check.ipynb", [
-            "%load_ext workbench\n%colossal start -n 2", PIPELINE_CELL, OFFLOAD_CELL,
-            INFERENCE_CELL, "%colossal stop"])
-        sidebar = run_all_cells(page, server, "pipeline_check.ipynb", PANELS_SAMPLER)
+@pytest.fixture(scope="module")
+def panels(tmp_path_factory):
+    """The lab running the notebook (Run All Cells): its pool in the sidebar, and the pool's
+    dashboard page open in a second tab with its sampler going; the notebook's sampler starts
+    with the run."""
+    with lab_session(tmp_path_factory.mktemp("panels"), SETTINGS) as lab:
+        with reporting(lab, "failure-pipeline.png"):
+            write_notebook(lab.server, "pipeline_check.ipynb", [
+                "%load_ext workbench\n%colossal start -n 2", PIPELINE_CELL, OFFLOAD_CELL,
+                INFERENCE_CELL, SERVE_CELL])
+            lab.sidebar = run_all_cells(lab.page, lab.server, "pipeline_check.ipynb",
+                                        PANELS_SAMPLER)
+            pool = lab.sidebar.locator(".jp-Colossal-pool[data-ranks='2']")
+            pool.wait_for(timeout=120 * MS)
+            href = pool.locator(".jp-Colossal-dashboardLink").get_attribute("href")
+            lab.dash = lab.page.context.new_page()
+            lab.dash.goto(href if href.startswith("http") else lab.server.url + href)
+            lab.dash.wait_for_selector("#status[data-state]:not([data-state=''])",
+                                       timeout=30 * MS)
+            lab.dash.evaluate(PAGE_PANELS_SAMPLER)
+        yield lab
 
-        pool = sidebar.locator(".jp-Colossal-pool[data-ranks='2']")
-        pool.wait_for(timeout=120 * MS)
-        href = pool.locator(".jp-Colossal-dashboardLink").get_attribute("href")
-        dash = page.context.new_page()
-        dash.goto(href if href.startswith("http") else server.url + href)
-        dash.wait_for_selector("#status[data-state]:not([data-state=''])", timeout=30 * MS)
-        dash.evaluate(PAGE_PANELS_SAMPLER)
+
+def test_stage_timeline_offload_and_inference_panels_while_their_cells_run(panels):
+    with reporting(panels, "failure-pipeline.png"):
+        page, dash = panels.page, panels.dash
         # The page shows the running (or last) cell only, so each panel is caught there while
         # its cell runs; the notebook keeps every cell's figures, so its screenshots can wait.
         dash.wait_for_function(SHOWN_WHILE_RUNNING, arg="stages", timeout=180 * MS)
@@ -275,3 +315,119 @@ def test_stage_timeline_offload_and_inference_panels_while_their_cells_run(tmp_p
         print(f"while the engine generated: {len(on_page)} samples with both replicas' KV "
               f"blocks in use on the dashboard page; the notebook drew the panel in "
               f"{len(notebook)} samples, {len(_generating(notebook))} while the cell ran")
+
+
+# While the endpoint serves, in the notebook: the endpoint figure under the serve cell (its
+# requests/s points and highest value), whether any cell runs, and the sidebar's endpoint.
+SERVING_SAMPLER = """() => {__PANELS__
+  window.__serving = [];
+  setInterval(() => {
+    const cell = [...document.querySelectorAll('.jp-CodeCell')]
+      .find(c => c.textContent.includes('%colossal serve engine'));
+    const plot = cell && [...cell.querySelectorAll('.js-plotly-plot')]
+      .find(p => (p.querySelector('.gtitle') || {}).textContent?.startsWith('endpoint engine'));
+    const t = plot && (plot.data || []).find(t => t.name === 'endpoint: requests/s');
+    const e = document.querySelector('.jp-Colossal-endpoint');
+    window.__serving.push({
+      points: t ? t.x.length : 0, most: most(plot, 'endpoint: requests/s'),
+      running: [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]
+        .some(p => p.textContent.includes('*')),
+      sidebar: e ? {status: e.dataset.status, url: e.dataset.url, requests: +e.dataset.requests,
+                    perS: +e.dataset.requestsPerS, inFlight: +e.dataset.inFlight,
+                    kvUsed: +e.dataset.kvUsed} : null});
+  }, 200);
+}""".replace("__PANELS__", PANELS_JS)
+# On the dashboard page: the endpoint's line and panel, and the serving ranks' inference panel.
+PAGE_SERVING_SAMPLER = """() => {__PANELS__
+  window.__serving = [];
+  setInterval(() => {
+    const panel = document.getElementById('endpoint');
+    const line = document.getElementById('endpoint-line');
+    window.__serving.push({
+      shown: !panel.hidden && !line.hidden, status: line.dataset.status, line: line.textContent,
+      perS: most(panel, 'endpoint: requests/s'), inFlight: most(panel, 'endpoint: in flight'),
+      ...kv(document.getElementById('inference'))});
+  }, 200);
+}""".replace("__PANELS__", PANELS_JS)
+# Seen by both samplers: the sidebar with requests/s, in flight and KV blocks in use, the
+# notebook's endpoint figure with 10 more points since the serve cell ended (no cell running),
+# the page's endpoint panel with requests/s and in flight and both replicas' KV blocks in use.
+SEEN_SERVING = """([since, page]) => {
+  const s = window.__serving.slice(since);
+  const ok = s.filter(x => !x.running && x.most > 0);
+  const side = s.filter(x => x.sidebar && x.sidebar.perS > 0 && x.sidebar.inFlight > 0
+                        && x.sidebar.kvUsed > 0);
+  return page ? s.some(x => x.shown && x.status === 'serving' && x.perS > 0 && x.inFlight > 0
+                       && x.replicas.length === 2 && x.used.every(n => n > 0))
+    : ok.length > 0 && ok[ok.length - 1].points >= ok[0].points + 10 && side.length > 0;
+}"""
+
+
+def _call(url: str, stop, made: list) -> None:
+    """A client: completions, one after another, until ``stop`` (or a refusal)."""
+    import httpx
+
+    while not stop.is_set():
+        r = httpx.post(f"{url}/completions", timeout=60, json={
+            "model": "engine", "prompt": f"def task_{len(made)}(", "max_tokens": 24,
+            "temperature": 0})
+        made.append(r.status_code)
+        if r.status_code != 200:
+            return
+
+
+def test_a_serving_endpoint_in_the_sidebar_the_page_and_under_its_cell(panels):
+    import re
+    import threading
+
+    with reporting(panels, "failure-serving.png"):
+        page, dash, sidebar = panels.page, panels.dash, panels.sidebar
+        cell = page.locator(".jp-CodeCell", has_text="%colossal serve engine")
+        printed = cell.locator(".jp-OutputArea-output", has_text="colossal: serving engine at")
+        printed.wait_for(timeout=240 * MS)  # the notebook ran up to its serve cell
+        url = re.search(r"serving engine at (\S+) ", printed.inner_text()).group(1)
+        endpoint = sidebar.locator(f".jp-Colossal-endpoint[data-url='{url}']")
+        endpoint.wait_for(timeout=30 * MS)
+        assert endpoint.get_attribute("data-status") == "serving"
+        cell.evaluate("el => el.scrollIntoView({block: 'start'})")
+        page.evaluate(SERVING_SAMPLER)
+        dash.evaluate(PAGE_SERVING_SAMPLER)
+
+        stop, made = threading.Event(), []
+        clients = [threading.Thread(target=_call, args=(url, stop, made)) for _ in range(10)]
+        for t in clients:
+            t.start()
+        try:
+            dash.wait_for_function(SEEN_SERVING, arg=[0, True], timeout=90 * MS)
+            dash.screenshot(path=str(ARTIFACTS / "13-serving-dashboard-page.png"),
+                            full_page=True)
+            try:
+                page.wait_for_function(SEEN_SERVING, arg=[0, False], timeout=60 * MS)
+            except Exception as err:  # what the notebook's sampler saw last
+                seen = page.evaluate("window.__serving.slice(-4)")
+                raise AssertionError(f"{err}: {seen}") from err
+            page.screenshot(path=str(ARTIFACTS / "14-serving-notebook-and-sidebar.png"))
+        finally:
+            stop.set()
+            for t in clients:
+                t.join(60)
+        assert made and set(made) == {200}, made
+        # the sidebar shows what the server counted: exactly the requests the clients made
+        sidebar.locator(f".jp-Colossal-endpoint[data-requests='{len(made)}']").wait_for(
+            timeout=30 * MS)
+        assert url in dash.locator("#endpoint-line").inner_text()
+
+        pool = sidebar.locator(".jp-Colossal-pool[data-ranks='2']")
+        pool.locator("button[data-action='stop']").click()  # drains the endpoint, then stops
+        sidebar.locator(".jp-Colossal-message", has_text="pool stopped").wait_for(
+            timeout=90 * MS)
+        assert f"stopped serving engine at {url}" in sidebar.locator(
+            ".jp-Colossal-message").inner_text()
+        assert sidebar.locator(".jp-Colossal-endpoint").count() == 0
+        dash.locator("#endpoint-line[hidden]").wait_for(state="attached", timeout=30 * MS)
+
+        samples = page.evaluate("window.__serving")
+        idle = [s for s in samples if not s["running"] and s["most"] > 0]
+        print(f"while serving {len(made)} requests: the notebook's endpoint figure went from "
+              f"{idle[0]['points']} to {idle[-1]['points']} points with no cell running; "
+              f"{sum(1 for s in samples if s['sidebar'])} sidebar samples with the endpoint")

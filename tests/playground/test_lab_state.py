@@ -7,7 +7,10 @@ notebook's figure draws, and the pipeline's point-to-point bytes apart from its 
 an offloading cell's file carries the offload panel (model state per tier per rank, bytes
 moved per step) as the notebook's traces, and a cell without offload none; a generating
 cell's file carries the inference panel (tokens/s, the queue, KV blocks) as the notebook's
-traces, each replica counted once, and none before an engine stepped; a file of a dead
+traces, each replica counted once, and none before an engine stepped; while an endpoint
+serves, the file carries its block (address, state, rates, queue, KV blocks, its panel) and
+the serving ranks' telemetry as the running cell, rate-limited, and neither once it stopped;
+a file of a dead
 process is never listed and gets deleted; a malformed pool id cannot name a file; the server
 extension module does not import torch; ``workbench lab`` builds the JupyterLab command the
 README promises.
@@ -191,6 +194,51 @@ def test_an_inference_cell_carries_its_inference_panel(runtime):
     assert cell["latest"]["1"]["inference"]["blocks_used"] == 14
     assert cell["latest"]["1"]["inference"]["leader"] is False
     assert cell["offload"] is None and cell["stages"] is None
+
+
+def test_a_serving_endpoint_writes_its_block_and_the_serving_ranks(runtime):
+    from workbench.dashboard import RunHistory
+    from workbench.dashboard.endpoint import EndpointHistory, EndpointSample
+
+    f = PoolStateFile(enabled=True)
+    f.update("running", world_size=2, ranks=[
+        state.rank_row({"host": "h", "memory": {"host_rss": 5}}, r, 10 + r, "idle")
+        for r in (0, 1)])
+    assert read_pool(f.pool_id)["endpoint"] is None  # nothing serves
+    url = "http://127.0.0.1:8123/v1"
+    history = RunHistory([0, 1], label=f"serving engine at {url}")
+    endpoint = EndpointHistory(url, "engine", replicas=1)
+    for seq in (2, 3, 4):
+        f.min_interval_s = 0.0 if seq == 2 else 60.0  # the first sample is due at once
+        history.ingest({r: _inference_snapshot(seq, r) for r in (0, 1)})
+        endpoint.sample(EndpointSample(3 * seq, 0, 4, 3, 9 - seq, 10 + seq, 40))
+        f.serving_data(history, endpoint)
+    doc = read_pool(f.pool_id)  # written once: the others came within min_interval_s
+    assert doc["state"] == "running" and {r["state"] for r in doc["ranks"]} == {"busy"}
+    assert doc["endpoint"]["requests"] == 6 and doc["cell"]["points"] == 1
+    assert doc["ranks"][0]["memory"]["host"] == 123 << 20  # from the serving ranks' snapshot
+    assert doc["cell"]["label"] == f"serving engine at {url}" and doc["cell"]["running"]
+    assert doc["cell"]["inference"]["traces"]  # the inference panel of the serving ranks
+
+    f.min_interval_s = 0.0
+    f.serving_data(history, endpoint)
+    doc = read_pool(f.pool_id)
+    block = doc["endpoint"]
+    assert {k: block[k] for k in ("url", "status", "requests", "in_flight", "running",
+                                  "waiting", "kv_used", "kv_total")} == {
+        "url": url, "status": "serving", "requests": 12, "in_flight": 4, "running": 3,
+        "waiting": 5, "kv_used": 14, "kv_total": 40}
+    assert block["line"] == endpoint.line() and block["panel"]["title"].startswith(
+        f"endpoint engine at {url}: serving, ")
+    assert {t["name"] for t in block["panel"]["traces"]} >= {"endpoint: requests/s",
+                                                           "endpoint: in flight"}
+    assert doc["cell"]["points"] == 3
+
+    f.min_interval_s = 60.0
+    f.serving_data(history, endpoint, final=True)  # serving stopped: always written
+    doc = read_pool(f.pool_id)
+    assert doc["endpoint"] is None and not doc["cell"]["running"]
+    assert {r["state"] for r in doc["ranks"]} == {"idle"}
 
 
 def test_writes_during_a_cell_are_rate_limited(runtime):

@@ -342,7 +342,7 @@ def test_heterogeneous_memory_trains_beyond_the_device_budget(tmp_path, monkeypa
     assert not placement(reference)
     for section in (static, auto):
         steps = placement(section)
-        assert len(steps) == 12 and all(e > 0 and m > 0 for e, m, _ in steps), steps
+        assert len(steps) == 8 and all(e > 0 and m > 0 for e, m, _ in steps), steps
         assert len(tiers(section)) == 2
         assert all(t["host"] > 0 and t["disk"] > 0 for t in tiers(section)), tiers(section)
     # within device_mem=3MiB, activations included, once the first step measured them
@@ -406,7 +406,8 @@ def test_serving_notebook_serves_the_openai_client_and_drains(tmp_path, monkeypa
     """09 on 2 ranks: an engine built on the ranks is served; the official client gets a
     completion, the same text streamed, a chat answer and 16 concurrent streams; a wrong key,
     unsupported parameters and a too-long prompt get their errors; /metrics counts; a cell
-    while serving is refused; --stop drains."""
+    while serving is refused; the endpoint's dashboard is shown under the serve cell and
+    --status counts what was answered and refused; --stop drains."""
     import re
 
     monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "cache"))
@@ -428,5 +429,13 @@ def test_serving_notebook_serves_the_openai_client_and_drains(tmp_path, monkeypa
     assert 'workbench_requests_total{route="/v1/completions",status="200"} 18.0' in text
     assert f"%%colossal while serving: the pool is serving engine at {url.group(1)}" in text
     assert f"colossal: stopped serving engine at {url.group(1)}" in text
+    # the dashboard shown under the serve cell (its text line), and --status after the calls:
+    # 20 answered (models, completion, stream, chat, 16 streams), 4 refused (key, n, logprobs,
+    # too long), none in flight
+    assert f"colossal endpoint engine at {url.group(1)}: serving, 0.0 requests/s" in text
+    assert re.search(rf"^colossal: endpoint engine at {re.escape(url.group(1))}: serving, "
+                     r"[\d.]+ requests/s, 0 in flight; engines \(2 replicas\): \d+ running, "
+                     r"\d+ waiting, KV blocks \d+ of \d+ \(\d+%\) · 24 requests, 4 failed$",
+                     text, re.M), text
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o["output_type"] == "error"]
     assert not errors

@@ -3,7 +3,10 @@ loopback, called with the official ``openai`` client and plain HTTP.
 
 Greedy completions and chat completions, streamed and not, equal ``engine.generate`` on the
 same prompts; keys, malformed bodies and unsupported parameters get OpenAI-style errors;
-``/metrics`` parses as Prometheus text and counts what was sent; a client that disconnects
+``/metrics`` parses as Prometheus text and counts what was sent; the dashboard under the serve
+cell and the lab's pool-state file follow the endpoint while clients call (in flight, KV
+blocks, the serving replica's inference panel, the requests /metrics counts) and drop it
+after ``--stop``; a client that disconnects
 mid-stream frees its blocks; ``--stop`` lets 8 running streams finish; a SIGKILLed rank makes
 the endpoint answer 503 naming the rank, and after ``%colossal restart`` the same client works.
 """
@@ -136,6 +139,65 @@ def test_metrics_parse_and_count_what_was_sent(served):
     assert after[("workbench_time_to_first_token_seconds_count", ())] >= 3
 
 
+def test_the_dashboard_and_the_lab_file_follow_the_endpoint(shell, served, tmp_path,
+                                                          monkeypatch, capsys):
+    """While 4 clients stream: the dashboard shown under the serve cell (fed by its display
+    thread, no cell running) and the pool-state file's endpoint block show requests in flight
+    and KV blocks in use, and the serving replica's inference panel; once they are done, the
+    requests the endpoint counted are /metrics' own, and ``--status`` says so."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from workbench.lab.state import read_pool
+
+    magics = shell.magics_manager.registry["ColossalMagics"]
+    display, state = magics.serving_display, magics.pool.state
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setattr(state, "enabled", True)
+    texts: list[str] = []
+    clients = [threading.Thread(target=_stream, args=(served, PROMPTS[i % 3], 40, texts))
+               for i in range(4)]
+    for t in clients:
+        t.start()
+    files, figures = [], []
+    while any(t.is_alive() for t in clients):
+        doc = read_pool(state.pool_id) if state.path is not None else None
+        if doc is not None:
+            files.append(doc)
+        figures.append(display.view.endpoint_figure.data[2].y)  # "endpoint: in flight"
+        time.sleep(0.1)
+    assert len(texts) == 4
+    url = f"{served['url']}/v1"
+    serving = [d for d in files if d["endpoint"] and d["endpoint"]["in_flight"] > 0
+               and d["endpoint"]["kv_used"] > 0]
+    assert serving, [d["endpoint"] for d in files][-5:]
+    doc = serving[-1]
+    assert doc["endpoint"]["url"] == url and doc["endpoint"]["status"] == "serving"
+    assert doc["cell"]["label"] == f"serving engine at {url}" and doc["cell"]["running"]
+    assert {r["state"] for r in doc["ranks"]} == {"busy"}
+    panel = {t["name"]: t for t in doc["cell"]["inference"]["traces"]}
+    assert panel["KV blocks: free"]["x"] == ["replica 0"]  # tp=2: one replica, counted once
+    assert max(max(y, default=0) for y in figures) > 0  # the figure under the cell moved
+
+    text = httpx.get(served["url"] + "/metrics",
+                     headers={"Authorization": f"Bearer {served['key']}"}).text
+    counted = sum(s.value for family in text_string_to_metric_families(text)
+                  for s in family.samples if s.name == "workbench_requests_total")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (display.endpoint.latest.requests != counted or
+                                           display.endpoint.latest.in_flight):
+        time.sleep(0.1)
+    latest = display.endpoint.latest
+    assert (latest.requests, latest.in_flight, latest.kv_used) == (counted, 0, 0)
+    assert display.error is None and display.view.endpoint_figure.layout.title.text.startswith(
+        f"endpoint engine at {url}: serving, ")
+    capsys.readouterr()
+    shell.run_line_magic("colossal", "serve --status")
+    out = capsys.readouterr().out  # the endpoint panel's title, counted now
+    assert out.startswith(f"colossal: endpoint engine at {url}: serving, ")
+    assert " 0 in flight; engines (1 replica): 0 running, 0 waiting, KV blocks 0 of " in out
+    assert f" · {counted:,.0f} requests, " in out
+
+
 def test_a_cell_while_serving_names_the_endpoint(shell, served):
     with pytest.raises(UsageError, match=f"serving engine at {served['url']}/v1"):
         shell.run_cell_magic("colossal", "", "x = 1\n")
@@ -162,7 +224,8 @@ def test_a_disconnected_stream_is_aborted_and_frees_its_blocks(served):
         for _ in range(100):  # while it streams, its blocks are in use
             next(lines)
             text = httpx.get(served["url"] + "/metrics", headers=headers).text
-            held = float(text.split("workbench_kv_blocks_used ")[1].split()[0])
+            held = next(float(line.split()[1]) for line in text.splitlines()
+                        if line.startswith("workbench_kv_blocks_used "))
             if held > 0:
                 break
         assert held > 0, "the streaming request held no KV blocks"
@@ -179,7 +242,8 @@ def test_a_disconnected_stream_is_aborted_and_frees_its_blocks(served):
     assert 'status="499"' in metrics
 
 
-def test_stop_lets_eight_running_streams_finish(shell, served):
+def test_stop_lets_eight_running_streams_finish(shell, served, tmp_path, monkeypatch):
+    from workbench.lab.state import read_pool
     from workbench.serving import api_key
 
     texts: list[str] = []
@@ -187,7 +251,10 @@ def test_stop_lets_eight_running_streams_finish(shell, served):
                for i in range(8)]
     for t in clients:
         t.start()
-    server = shell.magics_manager.registry["ColossalMagics"].server
+    magics = shell.magics_manager.registry["ColossalMagics"]
+    server, display = magics.server, magics.serving_display
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setattr(magics.pool.state, "enabled", True)
     deadline = time.monotonic() + 60
     while len(server.bridge.queues) < 8 and time.monotonic() < deadline:
         time.sleep(0.01)  # all 8 are streaming
@@ -196,6 +263,11 @@ def test_stop_lets_eight_running_streams_finish(shell, served):
     for t in clients:
         t.join(60)
     assert len(texts) == 8 and all(len(t) > 0 for t in texts)
+    # the dashboard's last sample says stopped; the lab's file has no endpoint any more
+    assert display.endpoint.latest.status == "stopped" and not display._thread.is_alive()
+    doc = read_pool(magics.pool.state.pool_id)
+    assert doc["endpoint"] is None and not doc["cell"]["running"]
+    assert {r["state"] for r in doc["ranks"]} == {"idle"}
     shell.run_cell_magic("colossal", "--no-dashboard --pull stats", "stats = engine.stats()\n")
     assert shell.user_ns["stats"]["blocks_used"] == 0
     import socket

@@ -19,13 +19,14 @@ next to the shown one is an ordinary widget operation.
 Likewise, once some rank's model has offloaded during the cell, a figure of its own: model
 state per tier per rank and what moved between tiers per step (``offload.py``); and once some
 rank's inference engine has stepped, another: generated tokens/s, the queue and the KV blocks
-per replica (``inference.py``).
+per replica (``inference.py``). While an endpoint serves, its panel (``endpoint.py``:
+requests/s, in flight, KV use) stands above them all.
 
 Values are the runtime's own numbers, unscaled (bytes, seconds), so what a figure shows can be
 checked against ``CommStats`` and ``Telemetry.snapshot()``; axes format them (``~s``: 1.2M).
 Every trace has a unique name (``"memory: host"``, ``"comm: dp"``, ``"tokens/s: rank 0"``,
 ``"stage: F (forward)"``, ``"model state: disk"``, ``"moved: host->disk"``,
-``"queue: waiting"``, ``"KV blocks: free"``).
+``"queue: waiting"``, ``"KV blocks: free"``, ``"endpoint: requests/s"``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from workbench.dashboard.endpoint import EndpointHistory, endpoint_layout, endpoint_traces
 from workbench.dashboard.history import RunHistory
 from workbench.dashboard.inference import inference_layout, inference_traces
 from workbench.dashboard.offload import offload_layout, offload_traces
@@ -145,10 +147,10 @@ def update_stage_figure(fig: go.Figure, history: RunHistory) -> None:
 
 # ---- panels of plain-dict traces: model state per tier, the inference engine -------------
 Traces = Callable[..., dict[str, dict[str, Any]]]
-Layout = Callable[[RunHistory], dict[str, Any]]
+Layout = Callable[[Any], dict[str, Any]]  # of a RunHistory, or an EndpointHistory
 
 
-def _build_panel(history: RunHistory, traces: Traces, layout: Layout, height: int,
+def _build_panel(history: Any, traces: Traces, layout: Layout, height: int,
                  widget: bool, top: int = 50) -> go.Figure | None:
     """A figure of ``traces(history)`` (plain dicts, ``type`` included) under
     ``layout(history)``, ``top`` pixels above the plots for the title; None while the history
@@ -164,7 +166,7 @@ def _build_panel(history: RunHistory, traces: Traces, layout: Layout, height: in
     return go.FigureWidget(fig) if widget else fig
 
 
-def _update_panel(fig: go.Figure, history: RunHistory, traces: Traces,
+def _update_panel(fig: go.Figure, history: Any, traces: Traces,
                   layout: Layout) -> None:
     """Bring a panel up to date in one batch; a trace seen for the first time is added."""
     data = traces(history)
@@ -199,6 +201,16 @@ def build_inference_figure(history: RunHistory, widget: bool = True) -> go.Figur
 def update_inference_figure(fig: go.Figure, history: RunHistory) -> None:
     """Bring the inference figure up to date in one batch (a second replica adds its line)."""
     _update_panel(fig, history, inference_traces, inference_layout)
+
+
+def build_endpoint_figure(endpoint: EndpointHistory, widget: bool = True) -> go.Figure | None:
+    """The endpoint panel as its own figure; None before the endpoint's first sample."""
+    return _build_panel(endpoint, endpoint_traces, endpoint_layout, 360, widget, top=70)
+
+
+def update_endpoint_figure(fig: go.Figure, endpoint: EndpointHistory) -> None:
+    """Bring the endpoint figure up to date in one batch (its title is the endpoint's line)."""
+    _update_panel(fig, endpoint, endpoint_traces, endpoint_layout)
 
 
 def trace_data(fig: go.Figure) -> dict[str, tuple[list, list]]:

@@ -3,7 +3,8 @@
 The main figure is always there; the stage timeline (a pipeline ran), the offload panel (a
 model offloaded) and the inference panel (an engine generated) join it as figures of their own
 once the run has their data, because a shown widget cannot be relayouted into a new subplot
-grid (``figures.py``)."""
+grid (``figures.py``). A serving endpoint's dashboard (``workbench.serving.display``) has the
+endpoint panel on top: requests/s, in flight and KV use of an ``EndpointHistory``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from workbench.dashboard.endpoint import EndpointHistory
 from workbench.dashboard.history import RunHistory
 
 
@@ -21,8 +23,10 @@ class Dashboard:
     ``to_html`` writes a standalone report. plotly is imported on first use, not with the
     magics."""
 
-    def __init__(self, history: RunHistory) -> None:
+    def __init__(self, history: RunHistory, endpoint: EndpointHistory | None = None) -> None:
         self.history = history
+        self.endpoint = endpoint
+        self._endpoint: Any = None
         self._widget: Any = None
         self._stages: Any = None
         self._offload: Any = None
@@ -66,6 +70,16 @@ class Dashboard:
         return self._inference
 
     @property
+    def endpoint_figure(self) -> Any:
+        """The live ``FigureWidget`` of the endpoint panel, or None: no endpoint (or not
+        sampled yet)."""
+        if self._endpoint is None and self.endpoint is not None:
+            from workbench.dashboard.figures import build_endpoint_figure
+
+            self._endpoint = build_endpoint_figure(self.endpoint, widget=True)
+        return self._endpoint
+
+    @property
     def widget(self) -> Any:
         """What is displayed: a ``VBox`` of the figures, so the stage timeline and the offload
         and inference panels can join a shown dashboard (new children) without redrawing or
@@ -77,12 +91,17 @@ class Dashboard:
                                         layout=ipywidgets.Layout(width="100%"))
         return self._box
 
-    def refresh(self) -> None:
+    def refresh(self, endpoint_only: bool = False) -> None:
         """Push the history's current data into the widgets (one batched update each); the
         first pipeline step adds the stage timeline to a shown box, the first offloading steps
-        the offload panel, an engine's first steps the inference panel."""
+        the offload panel, an engine's first steps the inference panel. ``endpoint_only``:
+        the ranks published nothing new, only the endpoint's figure moves."""
         from workbench.dashboard import figures
 
+        if self._endpoint is not None:
+            figures.update_endpoint_figure(self._endpoint, self.endpoint)
+        if endpoint_only:
+            return
         if self._widget is not None:
             figures.update_figure(self._widget, self.history)
         if self._stages is not None:
@@ -97,9 +116,10 @@ class Dashboard:
     def _new_figures(self) -> bool:
         """Builds the figures the run has data for by now; True if one of them is new (the
         new one is built from the current data, so it needs no update)."""
-        missing = (self._stages is None, self._offload is None, self._inference is None)
+        missing = (self._stages is None, self._offload is None, self._inference is None,
+                   self._endpoint is None)
         built = (self.stage_figure is not None, self.offload_figure is not None,
-                 self.inference_figure is not None)
+                 self.inference_figure is not None, self.endpoint_figure is not None)
         return any(m and b for m, b in zip(missing, built))
 
     def to_figure(self) -> Any:
@@ -109,35 +129,48 @@ class Dashboard:
         return build_figure(self.history, widget=False)
 
     def to_html(self, path: str | os.PathLike[str], include_plotlyjs: bool | str = True) -> Path:
-        """Write a standalone HTML report, under the main figure the stage timeline if a
-        pipeline ran, the offload panel if a model offloaded and the inference panel if an
-        engine generated; plotly.js is embedded by default so the file opens offline (about
-        4.5 MB); pass ``include_plotlyjs="cdn"`` for a small file that loads it from the
-        network."""
+        """Write a standalone HTML report: the endpoint panel if serving, the main figure,
+        under it the stage timeline if a pipeline ran, the offload panel if a model offloaded
+        and the inference panel if an engine generated; plotly.js is embedded by default so
+        the file opens offline (about 4.5 MB); pass ``include_plotlyjs="cdn"`` for a small file
+        that loads it from the network."""
         from workbench.dashboard import figures
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        page = self.to_figure().to_html(include_plotlyjs=include_plotlyjs, full_html=True)
-        for extra in (figures.build_stage_figure(self.history, widget=False),
-                      figures.build_offload_figure(self.history, widget=False),
-                      figures.build_inference_figure(self.history, widget=False)):
-            if extra is not None:
-                div = extra.to_html(include_plotlyjs=False, full_html=False)
-                page = page.replace("</body>", div + "</body>", 1)
+        endpoint = figures.build_endpoint_figure(self.endpoint, widget=False) \
+            if self.endpoint is not None else None
+        shown = [f for f in (endpoint, self.to_figure(),
+                             figures.build_stage_figure(self.history, widget=False),
+                             figures.build_offload_figure(self.history, widget=False),
+                             figures.build_inference_figure(self.history, widget=False))
+                 if f is not None]
+        # the first figure's page carries plotly.js, so every later figure finds it loaded
+        page = shown[0].to_html(include_plotlyjs=include_plotlyjs, full_html=True)
+        for extra in shown[1:]:
+            div = extra.to_html(include_plotlyjs=False, full_html=False)
+            page = page.replace("</body>", div + "</body>", 1)
         path.write_text(page, encoding="utf-8")
         return path
 
     def _figures(self) -> tuple[Any, ...]:
+        top = (self.endpoint_figure,)
         extra = (self.stage_figure, self.offload_figure, self.inference_figure)
-        return (self.figure, *(f for f in extra if f is not None))
+        return (*(f for f in top if f is not None), self.figure,
+                *(f for f in extra if f is not None))
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
         """The box's widget bundle plus a one-line ``text/plain`` for headless runs (a
         widget's own repr would be its whole state)."""
         bundle = dict(self.widget._repr_mimebundle_())
-        bundle["text/plain"] = self.history.summary()
+        bundle["text/plain"] = self.summary()
         return bundle
 
+    def summary(self) -> str:
+        """The run's one line, under the endpoint's when serving."""
+        if self.endpoint is None:
+            return self.history.summary()
+        return f"colossal endpoint {self.endpoint.line()}\n{self.history.summary()}"
+
     def __repr__(self) -> str:
-        return f"<Dashboard: {self.history.summary()}>"
+        return f"<Dashboard: {self.summary()}>"

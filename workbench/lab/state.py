@@ -13,9 +13,12 @@ telemetry of the running (or last) ``%%colossal`` cell, with its pipeline stage 
 plotly traces when the cell ran a pipeline, its offload panel (model state per tier, bytes
 moved between tiers per step) as plotly traces and layout when a model offloaded, and its
 inference panel (generated tokens/s, the queue, KV blocks per replica) likewise when an engine
-generated. Writes
-during a cell are rate-limited (``min_interval_s``, 0.5 s) so a long training loop costs the
-kernel next to nothing.
+generated. While ``%colossal serve`` serves (no cell runs; ``workbench.serving.display``
+writes from a thread), the serving ranks' telemetry stands as the running cell ("serving
+ENGINE at URL") and an ``endpoint`` block holds the endpoint: its address, state or failure,
+requests/s, in flight, the engines' queue and KV blocks, and its panel as plotly traces; None
+when nothing serves. Writes during a cell or while serving are rate-limited
+(``min_interval_s``, 0.5 s) so a long training loop costs the kernel next to nothing.
 
 Files of dead processes (pid gone on this host) are stale: ``read_pools`` deletes them.
 This module imports neither torch nor jupyter_server: the kernel imports it with the pool and
@@ -37,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from workbench.dashboard.endpoint import EndpointHistory
 from workbench.dashboard.history import RunHistory, collective_bytes
 from workbench.dashboard.inference import inference_layout, inference_traces
 from workbench.dashboard.offload import offload_layout, offload_traces
@@ -172,6 +176,7 @@ class PoolStateFile:
             "pid": os.getpid(), "host": socket.gethostname(), "state": "stopped",
             "error": None, "created": time.time(), "updated": time.time(),
             "backend": "", "launcher": "", "world_size": 0, "ranks": [], "cell": None,
+            "endpoint": None,
         }
         self.history: RunHistory | None = None
         self.path: Path | None = None
@@ -182,11 +187,12 @@ class PoolStateFile:
     # ---- lifecycle ----------------------------------------------------------------------
     def update(self, state: str | None = None, **fields: Any) -> None:
         """Change the state and/or fields and write now."""
-        if state is not None:
-            if state not in STATES:
-                raise ValueError(f"pool state must be one of {STATES}, got {state!r}")
-            self.doc["state"] = state
-        self.doc.update(fields)
+        if state is not None and state not in STATES:
+            raise ValueError(f"pool state must be one of {STATES}, got {state!r}")
+        with self._lock:  # a serving endpoint's thread writes the same document
+            if state is not None:
+                self.doc["state"] = state
+            self.doc.update(fields)
         self.write(force=True)
 
     def cell_started(self, label: str, ranks: list[int]) -> None:
@@ -232,6 +238,30 @@ class PoolStateFile:
         else:
             self.write(force=True)
 
+    def serving_data(self, history: RunHistory, endpoint: EndpointHistory,
+                     final: bool = False) -> None:
+        """A serving endpoint's figures, from its display thread: the serving ranks'
+        telemetry as the running cell, the ``endpoint`` block, the ranks busy; written at most
+        every ``min_interval_s``. ``final``: serving stopped, so the cell ends, the endpoint
+        block goes and the ranks are idle again (always written)."""
+        if not self.enabled or not (final or self._due()):
+            return
+        try:
+            cell = _cell_block(history, running=not final)
+            block = None if final else endpoint.block(last=SERIES_POINTS)
+        except Exception as err:  # a malformed snapshot must not stop the display
+            log.debug("pool state: ignoring serving data: %s", err)
+            return
+        with self._lock:
+            self.doc["cell"], self.doc["endpoint"] = cell, block
+            for row in self.doc["ranks"]:
+                snap = history.latest.get(row["rank"])
+                if snap is not None:
+                    row["memory"] = _tiers(snap.get("memory", {}))
+                if row["state"] != "dead":
+                    row["state"] = "idle" if final else "busy"
+        self.write(force=final)
+
     # ---- files --------------------------------------------------------------------------
     def _due(self) -> bool:
         return time.monotonic() - self._last_write >= self.min_interval_s
@@ -250,7 +280,7 @@ class PoolStateFile:
                     _remove_ended_pools_of(directory, os.getpid())
                 self.path = directory / f"pool-{self.pool_id}.json"
                 _atomic_write(self.path, self.doc)
-            except OSError as err:
+            except (OSError, ValueError, RuntimeError) as err:  # never fail a pool or cell
                 log.debug("pool state: cannot write %s: %s", self.path, err)
 
     def remove(self) -> None:

@@ -1,7 +1,7 @@
 """``%colossal serve``: serve an engine built on the ranks over the OpenAI HTTP API.
 
     %colossal serve ENGINE [--port 8000] [--host 127.0.0.1] [--api-key K | --no-api-key]
-                           [--model NAME]
+                           [--model NAME] [--no-dashboard]
     %colossal serve --stop       drain the requests in flight, then stop
     %colossal serve --status     the endpoint, its requests and the engines' queue
 
@@ -11,6 +11,8 @@ runtime folder and is read with ``workbench.serving.api_key()``, never printed, 
 notebooks keep their outputs. While it serves, the pool belongs to the server: other
 ``%%colossal`` cells get an error naming the endpoint. The cell that built the engine is
 remembered, so after ``%colossal restart`` it runs again and serving resumes on the same port.
+While it serves, a live dashboard under the cell (unless ``--no-dashboard``) and the lab's
+sidebar and dashboard page show the endpoint (``display.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
+from workbench.dashboard.endpoint import EndpointHistory
 from workbench.errors import PoolError
+from workbench.serving.display import ServingDisplay, sample_of
 from workbench.serving.keys import new_key
 from workbench.serving.server import Server
 
@@ -36,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None)
     p.add_argument("--no-api-key", action="store_true")
     p.add_argument("--model", default=None, help="the model id clients name (default ENGINE)")
+    p.add_argument("--no-dashboard", action="store_true",
+                   help="no live dashboard under the cell (the lab still shows the endpoint)")
     p.add_argument("--stop", action="store_true")
     p.add_argument("--status", action="store_true")
     return p
@@ -54,12 +60,15 @@ def serve_command(magics: Any, line: str) -> None:
             print("colossal: no endpoint is serving")
             return
         server.stop()
-        magics.server = None
+        display = getattr(magics, "serving_display", None)
+        if display is not None:
+            display.close()
+        magics.server = magics.serving_display = None
         print(f"colossal: stopped serving {server.engine} at {server.url}")
         return
     if args.status:
-        print(status_line(server) if server is not None and server.running
-              else "colossal: no endpoint is serving")
+        print(status_line(server, getattr(magics, "serving_display", None))
+              if server is not None and server.running else "colossal: no endpoint is serving")
         return
     if server is not None and server.running:
         raise UsageError(f"already serving {server.engine} at {server.url}; stop it with "
@@ -91,15 +100,15 @@ def serve_command(magics: Any, line: str) -> None:
     print(f"colossal: serving {args.engine} at {server.url} (model {server.model_id!r}, "
           f"{server.replicas} replica{'s' if server.replicas > 1 else ''}); {auth}{exposed}. "
           "`%colossal serve --stop` drains and stops.")
+    magics.serving_display = ServingDisplay(server, show=not args.no_dashboard).start()
 
 
-def status_line(server: Server) -> str:
-    m = server.metrics
-    return (f"colossal: serving {server.engine} at {server.url}: "
-            f"{int(m.in_flight._value.get())} in flight, engines running "
-            f"{int(m.running._value.get())} / waiting {int(m.waiting._value.get())}, KV blocks "
-            f"{int(m.kv_used._value.get())} of {int(m.kv_total._value.get())}"
-            + (f"; unavailable: {server.failure}" if server.failure else ""))
+def status_line(server: Server, display: ServingDisplay | None = None) -> str:
+    """The endpoint's line, the title of its dashboard panel: the server's counts now, and
+    requests/s from the display's samples (0 without them)."""
+    endpoint = display.endpoint if display is not None else \
+        EndpointHistory(server.url, server.engine, replicas=server.replicas)
+    return f"colossal: {endpoint.line(sample_of(server))}"
 
 
 def _building_cell(magics: Any, name: str) -> tuple[str, str] | None:

@@ -31,6 +31,9 @@ def running_servers() -> list[Server]:
 def check_port(host: str, port: int) -> None:
     """A clear error for a port in use (before anything else starts)."""
     probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # as uvicorn binds: the connections of an endpoint just stopped on this port (TIME_WAIT)
+    # do not make it busy, a listener does
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         probe.bind((host, port))
     except OSError as err:

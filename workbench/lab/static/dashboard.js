@@ -6,7 +6,9 @@
 // timeline, the offload panel (model state per tier, bytes moved between tiers per step) and
 // the inference panel (generated tokens/s, the queue, KV blocks per replica) come as ready
 // traces (workbench/dashboard/timeline.py, offload.py and inference.py build them for the
-// notebook's figures too), so this page only lays them out.
+// notebook's figures too), so this page only lays them out. While `%colossal serve` serves, the
+// pool's endpoint (its line, and its panel: requests/s, in flight, KV use; endpoint.py) stands
+// on top and the serving ranks' telemetry is the running cell.
 (function () {
   'use strict';
   const cfg = window.COLOSSAL;
@@ -25,7 +27,7 @@
   }
 
   function stateLabel(doc) {
-    if (doc.state === 'running') { return 'idle'; }
+    if (doc.state === 'running') { return doc.endpoint ? 'serving' : 'idle'; }
     return doc.state;
   }
 
@@ -72,11 +74,13 @@
     renderStages(cell ? cell.stages : null);
     renderPanel('offload', cell ? cell.offload : null);
     renderPanel('inference', cell ? cell.inference : null);
+    renderEndpoint(doc.endpoint);
 
     let text = doc.world_size + ' ranks, ' + stateLabel(doc);
     if (doc.error) { text += ' (' + doc.error + ')'; }
     if (cell) {
-      text += ' | cell ' + (cell.running ? 'running' : 'finished') + ': ' + cell.label +
+      text += ' | ' + (doc.endpoint ? 'endpoint ' : 'cell ') +
+        (cell.running ? 'running' : 'finished') + ': ' + cell.label +
         ' (' + cell.elapsed.toFixed(1) + ' s, ' + series.t.length + ' points)';
     }
     status.textContent = text;
@@ -109,6 +113,16 @@
     }), plotConfig);
   }
 
+  // The endpoint's line (address, state, requests/s, in flight, queue, KV) and its panel;
+  // hidden when nothing serves.
+  function renderEndpoint(endpoint) {
+    const line = document.getElementById('endpoint-line');
+    line.hidden = !endpoint;
+    line.textContent = endpoint ? endpoint.line : '';
+    line.dataset.status = endpoint ? endpoint.status : '';
+    renderPanel('endpoint', endpoint ? endpoint.panel : null);
+  }
+
   async function tick() {
     let delay = 2000;
     try {
@@ -122,7 +136,7 @@
       } else {
         const doc = await response.json();
         render(doc);
-        delay = doc.state === 'busy' ? 500 : 2000;
+        delay = doc.state === 'busy' || doc.endpoint ? 500 : 2000;
       }
     } catch (err) {
       status.textContent = 'cannot reach the server: ' + err;
