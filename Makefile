@@ -27,7 +27,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest -q --durations=40
+	IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest -q --durations=60
 
 # The inner loop (a few minutes): unit tests and 2-rank parity of each strategy, without
 # notebook engines, 4/8-rank cases, notebooks and the browser
