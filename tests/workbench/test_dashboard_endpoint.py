@@ -136,7 +136,7 @@ def test_a_serving_dashboard_shows_the_endpoint_on_top(tmp_path) -> None:
     assert view.endpoint_figure.layout.title.text.startswith(
         f"endpoint engine at {URL}: serving, 10.0 requests/s")
     text = view._repr_mimebundle_()["text/plain"]
-    assert text.splitlines()[0] == f"colossal endpoint {endpoint.line()}"
+    assert text.splitlines()[0] == f"colossal {endpoint.line()}"
     report = view.to_html(tmp_path / "serving.html")
     assert report_traces(report)["endpoint: requests/s"][1] == [0, 10, 10, 10]  # on top
     plain = Dashboard(RunHistory([0]))

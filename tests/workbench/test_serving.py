@@ -182,9 +182,10 @@ def test_the_dashboard_and_the_lab_file_follow_the_endpoint(shell, served, tmp_p
                      headers={"Authorization": f"Bearer {served['key']}"}).text
     counted = sum(s.value for family in text_string_to_metric_families(text)
                   for s in family.samples if s.name == "workbench_requests_total")
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 15  # the ranks' KV count reaches the server a moment later
     while time.monotonic() < deadline and (display.endpoint.latest.requests != counted or
-                                           display.endpoint.latest.in_flight):
+                                           display.endpoint.latest.in_flight or
+                                           display.endpoint.latest.kv_used):
         time.sleep(0.1)
     latest = display.endpoint.latest
     assert (latest.requests, latest.in_flight, latest.kv_used) == (counted, 0, 0)

@@ -170,7 +170,7 @@ class Dashboard:
         """The run's one line, under the endpoint's when serving."""
         if self.endpoint is None:
             return self.history.summary()
-        return f"colossal endpoint {self.endpoint.line()}\n{self.history.summary()}"
+        return f"colossal {self.endpoint.line()}\n{self.history.summary()}"
 
     def __repr__(self) -> str:
         return f"<Dashboard: {self.summary()}>"
