@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from workbench.dashboard.history import append_bounded
+
 PREFIX = "endpoint: "  # every trace of the panel is named "endpoint: ..."
 RATE_WINDOW_S = 5.0
 STATUSES = ("serving", "failed", "stopping", "stopped")
@@ -87,9 +89,7 @@ class EndpointHistory:
         point = EndpointPoint(t, rate(s.requests, requests0), rate(s.failed, failed0),
                               s.in_flight, kv)
         self.latest = s
-        self.points.append(point)
-        if len(self.points) > self.max_points:
-            self.points = self.points[-1::-2][::-1]  # every other point, keeping the last
+        self.points = append_bounded(self.points, point, self.max_points)
         return point
 
     @property

@@ -37,6 +37,13 @@ class Point:
     ranks: dict[int, dict[str, Any]]  # rank -> throughput and comm bytes per axis at that time
 
 
+def append_bounded(points: list, point: Any, max_points: int) -> list:
+    """``points`` with ``point`` appended; beyond ``max_points`` every other point is dropped,
+    keeping the last (the whole span stays, at half the resolution)."""
+    points.append(point)
+    return points[-1::-2][::-1] if len(points) > max_points else points
+
+
 def _summary(snapshot: dict[str, Any]) -> dict[str, Any]:
     tp = snapshot.get("throughput", {})
     p2p = snapshot.get("p2p_by_axis", {})
@@ -120,9 +127,8 @@ class RunHistory:
             self._offload_start.setdefault(rank, _offload_steps(snap))
         if new:
             ranks = {r: _summary(s) for r, s in self.latest.items()}
-            self.points.append(Point(self.clock() - self.started, ranks))
-            if len(self.points) > self.max_points:
-                self.points = self.points[-1::-2][::-1]  # every other point, keeping the last
+            self.points = append_bounded(self.points, Point(self.clock() - self.started, ranks),
+                                         self.max_points)
         return new
 
     def finish(self) -> None:
