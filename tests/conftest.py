@@ -10,6 +10,9 @@ import pytest
 
 os.environ.setdefault("IPP_NONINTERACTIVE", "1")
 
+# counts the pools, engines and kernels each tier starts (make test-fast may start none)
+pytest_plugins = ["helpers.tier_guard"]
+
 
 @pytest.fixture(scope="session")
 def ranks() -> Iterator[Callable[[int], object]]:

@@ -51,6 +51,9 @@ from kernels_runtime.telemetry.split import StepSplitter
 from kernels_runtime.telemetry.timeline import compact_timeline
 
 TELEMETRY_KEY = "colossal_telemetry"
+# what of an inference engine's figures makes a flush publish: its steps, and the queue and KV
+# blocks, which an abort changes without a step
+INFERENCE_STATE = ("steps", "running", "waiting", "swapped", "blocks_used", "aborted")
 MemoryProbe = Callable[[], dict[str, int]]
 P2P_OPS = {"send": "sent", "recv": "received"}
 
@@ -279,7 +282,9 @@ class Telemetry:
     def _state(self) -> tuple:
         calls = self.comm_stats.totals()["calls"] if self.comm_stats is not None else 0
         offloaded = self.offload["steps"] if self.offload else 0
-        inferred = self.inference["steps"] if self.inference else 0
+        # an abort frees blocks without a step: the queue and the blocks count as a change
+        inferred = tuple(self.inference.get(k) for k in INFERENCE_STATE) if self.inference \
+            else ()
         return (self._totals["steps"], calls, self.disk_spill_bytes, offloaded, inferred)
 
     def _counters(self) -> dict[tuple[str, str], tuple[float, float]]:

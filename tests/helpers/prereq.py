@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-APT_HINT = "apt-get install -y slurmctld slurmd munge openssh-server openssh-client"
+APT_HINT = ("apt-get install -y slurmctld slurmd slurm-client munge openssh-server "
+            "openssh-client")
 
 
 def require(programs: list[str], root: bool = False, why: str = "") -> None:
@@ -22,7 +23,11 @@ def require(programs: list[str], root: bool = False, why: str = "") -> None:
         problems.append("needs root (network namespaces, daemons)")
     if not problems:
         return
-    message = f"{why}: " + "; ".join(problems) if why else "; ".join(problems)
+    require_or_skip(f"{why}: " + "; ".join(problems) if why else "; ".join(problems))
+
+
+def require_or_skip(message: str) -> None:
+    """A prerequisite named by ``message`` is missing: fail in CI, skip elsewhere."""
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(f"CI must run this test: {message}")
     pytest.skip(message)

@@ -190,6 +190,37 @@ def test_tensor_parallel_notebook_splits_llama_and_reports_comm_per_axis(tmp_pat
     assert not errors
 
 
+def test_grid_notebook_on_four_ranks_runs_1d_and_2d_and_says_why_2p5d_is_left_out(
+        tmp_path, monkeypatch):
+    """05 on 4 ranks, as a machine with room for 4 (make test; the full size, 8 ranks, is in
+    make test-full): 1D and 2D train to the same first-step loss, and 2.5D is left out with
+    the number of ranks it needs."""
+    import re
+
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WORKBENCH_RANKS", "4")
+    echo = io.StringIO()
+    nb = run_notebook(NOTEBOOKS / "05_tensor_2d_2p5d.ipynb", timeout_s=300, echo=echo,
+                      workdir=tmp_path)
+    text = echo.getvalue()
+    assert "4 ranks (WORKBENCH_RANKS=4; 8 ranks need 5 GiB): 1D and 2D run, 2.5D (2 grids of " \
+           "2 x 2) is left out" in text
+    assert "2.5d  dp=4  (skipped: needs 8 ranks, the pool has 4)" in text
+    assert "2.5d: skipped (needs 8 ranks, the pool has 4)" in text
+    learned = re.findall(r"^(.+): loss (\S+) -> (\S+), test accuracy (\S+)%$", text, re.M)
+    assert [plan for plan, *_ in learned] == ["tp=4", "tp=4 tp_mode=2d"]
+    for _, first, last, accuracy in learned:
+        assert float(last) < 0.8 * float(first) and float(accuracy) > 30
+    first_step = [float(r) for r in re.findall(
+        r"first-step loss relative difference from tp=4: (\S+)", text)]
+    assert len(first_step) == 1 and first_step[0] <= 1e-4
+    assert (tmp_path / "reports" / "tensor_grid_2d.html").exists()
+    assert not (tmp_path / "reports" / "tensor_grid_2p5d.html").exists()
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o["output_type"] == "error"]
+    assert not errors
+
+
+@pytest.mark.full  # the notebook at its full size: 8 ranks
 def test_grid_notebook_trains_a_vit_under_1d_2d_and_2p5d_with_traffic_on_the_grid_axes(
         tmp_path, monkeypatch):
     """05 on 8 ranks: the ViT on the digits trains under 1D, 2D (SUMMA) and 2.5D, the grid runs

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = [pytest.mark.engines, pytest.mark.slow]
+pytestmark = [pytest.mark.engines, pytest.mark.full]  # a --quick benchmark run
 
 
 def test_the_serving_benchmark_loses_no_request(capsys):

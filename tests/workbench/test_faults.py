@@ -53,13 +53,16 @@ def test_sigkill_of_one_rank_is_reported_by_rank_and_restart_recovers(kernel):
 
 
 def test_interrupt_during_sleep_reaches_notebook_and_pool_stays_usable(kernel):
-    msg_id = kernel.submit("%%colossal\nimport time\ntime.sleep(120)\n")
-    time.sleep(2.0)  # both ranks are now sleeping
+    msg_id = kernel.submit("%%colossal\nimport time, torch\ncomm.all_reduce(torch.ones(1))\n"
+                           "print('both ranks past the all-reduce', flush=True)\n"
+                           "time.sleep(120)\n")
+    kernel.wait_for_output(msg_id, "both ranks past the all-reduce")  # now each sleeps
     t0 = time.monotonic()
     kernel.interrupt()
     reply = kernel.collect(msg_id, timeout_s=30)
     assert reply.status == "error" and reply.ename == "KeyboardInterrupt"
-    assert reply.received_at - t0 < 3.0, f"took {reply.received_at - t0:.2f} s"
+    # the promise: an interrupt stops a cell promptly (measured well under 1 s)
+    assert reply.received_at - t0 < 5.0, f"took {reply.received_at - t0:.2f} s"
 
     ok = kernel.run_ok(
         "%%colossal --output all\nimport torch\nt = torch.ones(1) * (rank + 1)\n"

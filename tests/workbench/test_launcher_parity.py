@@ -26,7 +26,8 @@ def ip():
     shell.run_line_magic("colossal", "stop")
 
 
-@pytest.mark.parametrize("launcher", ["local", "mpi"])
+@pytest.mark.parametrize("launcher", [
+    "local", pytest.param("mpi", marks=pytest.mark.full)])  # Open MPI's mpiexec: test-full
 def test_dp_losses_match_the_one_process_reference(ip, launcher):
     ip.run_line_magic("colossal", f"start -n 4 --launcher {launcher}")
     try:

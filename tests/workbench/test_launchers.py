@@ -10,7 +10,6 @@ them.
 
 from __future__ import annotations
 
-import shutil
 import sys
 
 import pytest
@@ -19,6 +18,8 @@ from kernels_runtime.launcher_env import launcher_rank
 from workbench import PoolError
 from workbench.launchers import cluster_config, parse_hosts, resolve_launcher
 from workbench.ranks import assign_ranks, check_versions, tp_groups_within_hosts
+
+from helpers.prereq import require
 
 
 def test_every_launcher_starts_the_workbench_engine_entry():
@@ -55,12 +56,16 @@ def test_ssh_needs_hosts_whose_engines_add_up_to_n():
         resolve_launcher("local", None, hosts="a:2")
 
 
-def test_slurm_options_become_sbatch_lines():
+def test_slurm_without_sbatch_says_so(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # a machine without Slurm's client
     spec = resolve_launcher("slurm", "10.0.0.1", options=["--ntasks-per-node=2"])
-    if shutil.which("sbatch") is None:  # this machine has no Slurm client: the error says so
-        with pytest.raises(PoolError, match="needs Slurm's sbatch"):
-            cluster_config(spec, 4)
-        return
+    with pytest.raises(PoolError, match="needs Slurm's sbatch"):
+        cluster_config(spec, 4)
+
+
+def test_slurm_options_become_sbatch_lines():
+    require(["sbatch"], why="the Slurm launcher's batch template")
+    spec = resolve_launcher("slurm", "10.0.0.1", options=["--ntasks-per-node=2"])
     template = cluster_config(spec, 4).SlurmEngineSetLauncher.batch_template
     assert "#SBATCH --ntasks-per-node=2" in template and "srun {program_and_args}" in template
     with pytest.raises(PoolError, match="sbatch options"):

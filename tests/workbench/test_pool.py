@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import stat
 
+import ipyparallel as ipp
 import psutil
 import pytest
 
 from workbench import Pool, PoolError
+from workbench.forked_engines import ForkedEngineSetLauncher
 from workbench.launchers import resolve_launcher
 
 pytestmark = pytest.mark.engines
@@ -42,6 +45,14 @@ def test_pool_lifecycle_ranks_and_security():
         assert files
         for f in files:
             assert stat.S_IMODE(os.stat(f).st_mode) == 0o600, f
+
+        # ipyparallel's own loaders (the Jupyter server's cluster list) read the cluster file
+        # back with our launcher class (its entry point), not "could not be imported"
+        with open(pool.cluster.cluster_file) as f:
+            assert json.load(f)["engines"]["class"] == "workbench_forked"
+        again = ipp.Cluster.from_file(pool.cluster.cluster_file)
+        assert again.engine_launcher_class is ForkedEngineSetLauncher
+        assert list(again.engines) == list(pool.cluster.engines)
 
         # restart: new engine ids, ranks reassigned 0..n-1, process group works again
         old_ids = list(pool.engine_ids)

@@ -154,23 +154,38 @@ def test_the_dashboard_and_the_lab_file_follow_the_endpoint(shell, served, tmp_p
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setattr(state, "enabled", True)
     texts: list[str] = []
-    clients = [threading.Thread(target=_stream, args=(served, PROMPTS[i % 3], 40, texts))
+    stop = threading.Event()
+
+    def keep_streaming(prompt: str) -> None:  # until the test has seen what it needs
+        while not stop.is_set():
+            _stream(served, prompt, 40, texts)
+
+    def serving(docs: list[dict]) -> list[dict]:
+        return [d for d in docs if d["endpoint"] and d["endpoint"]["in_flight"] > 0
+                and d["endpoint"]["kv_used"] > 0]
+
+    clients = [threading.Thread(target=keep_streaming, args=(PROMPTS[i % 3],))
                for i in range(4)]
     for t in clients:
         t.start()
     files, figures = [], []
-    while any(t.is_alive() for t in clients):
-        doc = read_pool(state.pool_id) if state.path is not None else None
-        if doc is not None:
-            files.append(doc)
-        figures.append(display.view.endpoint_figure.data[2].y)  # "endpoint: in flight"
-        time.sleep(0.1)
-    assert len(texts) == 4
+    deadline = time.monotonic() + 60  # the state file and the figure follow at ~1 Hz
+    try:
+        while time.monotonic() < deadline and not (
+                serving(files) and max(max(y, default=0) for y in figures) > 0):
+            doc = read_pool(state.pool_id) if state.path is not None else None
+            if doc is not None:
+                files.append(doc)
+            figures.append(display.view.endpoint_figure.data[2].y)  # "endpoint: in flight"
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(60)
+    assert len(texts) >= 4 and not any(t.is_alive() for t in clients)
     url = f"{served['url']}/v1"
-    serving = [d for d in files if d["endpoint"] and d["endpoint"]["in_flight"] > 0
-               and d["endpoint"]["kv_used"] > 0]
-    assert serving, [d["endpoint"] for d in files][-5:]
-    doc = serving[-1]
+    assert serving(files), [d["endpoint"] for d in files][-5:]
+    doc = serving(files)[-1]
     assert doc["endpoint"]["url"] == url and doc["endpoint"]["status"] == "serving"
     assert doc["cell"]["label"] == f"serving engine at {url}" and doc["cell"]["running"]
     assert {r["state"] for r in doc["ranks"]} == {"busy"}

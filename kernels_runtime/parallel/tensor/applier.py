@@ -1,14 +1,25 @@
 """The tensor-parallel applier (first in ``parallelize``'s order): 1D tensor parallelism by the
-model's policy (``tensor_parallel.py``), or 2D / 2.5D on a grid (``grid_parallel.py``)."""
+model's policy (``tensor_parallel.py``), or 2D / 2.5D on a grid (``grid_parallel.py``). Its
+``check`` also refuses a swap that would drop a module attribute (``attributes.py``), before
+any applier changes the model."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from kernels_runtime.parallel.state import ParallelState
-from kernels_runtime.parallel.tensor.grid_parallel import apply_grid_parallel
-from kernels_runtime.parallel.tensor.tensor_parallel import apply_tensor_parallel
-from kernels_runtime.policies import find_module
+from kernels_runtime.parallel.tensor.attributes import refusals
+from kernels_runtime.parallel.tensor.grid_parallel import (
+    apply_grid_parallel,
+    grid_replicated,
+    on_grid,
+)
+from kernels_runtime.parallel.tensor.tensor_parallel import (
+    apply_tensor_parallel,
+    modules_to_split,
+)
+from kernels_runtime.policies import Policy, find_module
+from kernels_runtime.policies.specs import ModelLayout
 
 HOW_TO = ("write a policy for it (kernels_runtime.policies: a ModelLayout with a Rule per "
           "module, registered with register_policy) or use tp=1")
@@ -28,7 +39,28 @@ def check(state: ParallelState, model: nn.Module) -> str | None:
     if not resolved.complete:
         return f"tp={plan.tp}: the {policy.name} policy does not fit this model: " \
                f"{resolved.problems()}; {HOW_TO}"
+    grid = None
+    if plan.tp_mode in ("2d", "2.5d"):
+        blocks, head, after = _grid_paths(model, layout)
+        grid = (grid_replicated(resolved, blocks, head, after),
+                on_grid(resolved, blocks, head, after), _hidden(policy, model))
+    dropped = refusals(model, modules_to_split(resolved), grid)
+    if dropped:
+        return f"tp={plan.tp}: " + "; ".join(dropped)
     return None  # head counts against tp: Plan.validate, from the policy's model_config
+
+
+def _grid_paths(model: nn.Module, layout: ModelLayout,
+                ) -> tuple[str | None, str | None, tuple[str, ...]]:
+    """The blocks' path, the head's and those of the modules run after the blocks."""
+    blocks = find_module(model, layout.blocks)
+    head = find_module(model, layout.head) if layout.head else None
+    after = tuple(f[0] for f in (find_module(model, c) for c in layout.pipeline.after) if f)
+    return blocks[0] if blocks else None, head[0] if head else None, after
+
+
+def _hidden(policy: Policy, model: nn.Module) -> int | None:
+    return policy.model_config(model).get("hidden_size")
 
 
 def apply(model: nn.Module, state: ParallelState) -> nn.Module:
@@ -42,11 +74,10 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     attention = layout.attention
     heads, kv_heads = policy.attention_heads(model)
     if ctx.plan.tp_mode in ("2d", "2.5d"):
-        found = find_module(model, layout.head) if layout.head else None
-        after = tuple(f[0] for f in (find_module(model, c) for c in layout.pipeline.after) if f)
+        blocks_path, head_path, after = _grid_paths(model, layout)
         layouts, replaced, params, head = apply_grid_parallel(
-            model, ctx, resolved, attention, blocks[0] if blocks else None,
-            found[0] if found else None, policy.model_config(model).get("hidden_size"), after)
+            model, ctx, resolved, attention, blocks_path, head_path, _hidden(policy, model),
+            after)
     else:
         layouts, replaced, params, head = apply_tensor_parallel(
             model, ctx, resolved, attention, blocks[0] if blocks else None, heads, kv_heads)

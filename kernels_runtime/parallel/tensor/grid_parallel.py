@@ -20,6 +20,7 @@ gradient norm counts them once and checkpoints write them once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -58,23 +59,76 @@ BATCH_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 class ChunkEmbedding(nn.Module):
     """A learned position (or token-type) embedding keeping hidden chunk j, (n, h/q): every
     row (and depth) of the grid looks up its own batch rows, so its gradient is summed down the
-    column and over the depths."""
+    column and over the depths. ``padding_idx`` is the replaced ``nn.Embedding``'s (its row
+    gets no gradient); its other attributes are refused before the swap (``attributes.py``)."""
 
-    def __init__(self, weight: torch.Tensor, grid: Grid) -> None:
+    def __init__(self, weight: torch.Tensor, grid: Grid, padding_idx: int | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)  # (n, h/q)
-        self.grid = grid
+        self.grid, self.padding_idx = grid, padding_idx
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         grid = self.grid
         weight = copy_to_group(self.weight, grid.comm, grid.col)  # grads summed down the column
         if grid.dep is not None:
             weight = copy_to_group(weight, grid.comm, grid.dep)  # and over the depths
-        return nn.functional.embedding(ids, weight)  # (.., s, h/q)
+        return nn.functional.embedding(ids, weight, self.padding_idx)  # (.., s, h/q)
 
 
 def _is_rms_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and hasattr(module, "weight")
+
+
+def rebuilt_kind(module: nn.Module, hidden: int | None) -> str | None:
+    """What a replicated module inside the grid becomes (``_GridSwapper.replicated``): a new
+    module built from it ("layer_norm", "rms_norm", "embedding", "conv"), its own parameters
+    cut in place ("own"), or None (left whole)."""
+    if isinstance(module, nn.LayerNorm):
+        return "layer_norm"
+    if _is_rms_norm(module):
+        return "rms_norm"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if isinstance(module, nn.Conv2d) and module.out_channels == hidden:
+        return "conv"
+    if any(p.shape[-1] == hidden for p in module.parameters(recurse=False)):
+        return "own"
+    return None
+
+
+def rms_norm_eps(module: nn.Module) -> float | None:
+    """An RMSNorm's epsilon (LlamaRMSNorm's ``variance_epsilon``, else ``eps``); None if it
+    has neither (``nn.RMSNorm(eps=None)``: the dtype's), which the grid refuses."""
+    eps = getattr(module, "variance_epsilon", None)
+    return eps if eps is not None else getattr(module, "eps", None)
+
+
+def on_grid(resolved: ResolvedLayout, blocks_path: str | None, head_path: str | None,
+            after: tuple[str, ...] = ()) -> Callable[[str], bool]:
+    """Whether the module at a path runs on hidden chunks: all but those run after the blocks
+    on the joined hidden states (the policy's pipeline glue, when the head is not split)."""
+    body = blocks_path.rpartition(".")[0] if blocks_path else ""
+    grid_head = head_path in modules_to_split(resolved) if head_path else False
+
+    def chunks(path: str) -> bool:
+        outside = bool(body) and not path.startswith(body + ".")
+        return grid_head or not outside or not any(path == a or path.startswith(a + ".")
+                                                   for a in after)
+    return chunks
+
+
+def grid_replicated(resolved: ResolvedLayout, blocks_path: str | None, head_path: str | None,
+                    after: tuple[str, ...] = ()) -> list[str]:
+    """Paths of the replicated modules put on the grid, deepest first (the order
+    ``apply_grid_parallel`` swaps them in): every one not split that runs on hidden chunks."""
+    split = set(modules_to_split(resolved))
+    chunks = on_grid(resolved, blocks_path, head_path, after)
+    paths = []
+    for spec in sorted(resolved.specs.values(), key=lambda s: -s.module.count(".")):
+        if spec.style == "replicated" and spec.module not in split and chunks(spec.module):
+            split.add(spec.module)
+            paths.append(spec.module)
+    return paths
 
 
 def _chunk(full: torch.Tensor, dim: int, grid: Grid) -> tuple[torch.Tensor, ParamLayout]:
@@ -132,22 +186,22 @@ class _GridSwapper:
     def replicated(self, path: str) -> None:
         """Norms and learned positions inside the grid: their hidden chunk."""
         old, grid = self.model.get_submodule(path), self.grid
-        if isinstance(old, nn.LayerNorm):
+        kind = rebuilt_kind(old, self.hidden)
+        if kind == "layer_norm":
             weight, w_layout = split_features(old.weight.detach(), grid)
             bias, b_layout = (split_features(old.bias.detach(), grid) if old.bias is not None
                               else (None, None))
             new = LayerNorm2D(weight, bias, grid, old.eps)
             layouts = {"weight": w_layout, **({"bias": b_layout} if b_layout else {})}
-        elif _is_rms_norm(old):
+        elif kind == "rms_norm":
             weight, w_layout = split_features(old.weight.detach(), grid)
-            eps = getattr(old, "variance_epsilon", getattr(old, "eps", 1e-6))
-            new, layouts = RMSNorm2D(weight, grid, eps), {"weight": w_layout}
-        elif isinstance(old, nn.Embedding):
+            new, layouts = RMSNorm2D(weight, grid, rms_norm_eps(old)), {"weight": w_layout}
+        elif kind == "embedding":
             chunk, layout = _chunk(old.weight.detach(), 1, grid)
-            new, layouts = ChunkEmbedding(chunk, grid), {"weight": layout}
-        elif isinstance(old, nn.Conv2d) and old.out_channels == self.hidden:
+            new, layouts = ChunkEmbedding(chunk, grid, old.padding_idx), {"weight": layout}
+        elif kind == "conv":
             new, layouts = self._conv(old)
-        elif any(p.shape[-1] == self.hidden for p in old.parameters(recurse=False)):
+        elif kind == "own":
             new, layouts = self._own_parameters(old)  # ViT's class token and positions
         else:
             return
@@ -205,19 +259,8 @@ def apply_grid_parallel(model: nn.Module, ctx: ParallelContext, resolved: Resolv
     for path in order:
         spec = by_module[path]["weight"]
         swapper.split(path, spec.style, spec.transposed, max(1, len(spec.fused)))
-    split = set(by_module)
-    body = blocks_path.rpartition(".")[0] if blocks_path else ""
-    grid_head = head_path in by_module if head_path else False
-
-    def joined(path: str) -> bool:  # runs on the joined (full) hidden states: stays whole
-        outside = bool(body) and not path.startswith(body + ".")
-        return not grid_head and outside and any(path == a or path.startswith(a + ".")
-                                                 for a in after)
-
-    for spec in sorted(resolved.specs.values(), key=lambda s: -s.module.count(".")):
-        if spec.style == "replicated" and spec.module not in split and not joined(spec.module):
-            split.add(spec.module)
-            swapper.replicated(spec.module)
+    for path in grid_replicated(resolved, blocks_path, head_path, after):
+        swapper.replicated(path)
     for module in model.modules():  # aliases of swapped parameters (none in these families)
         for attribute, tensor in list(module.named_parameters(recurse=False)):
             replacement = swapper.swapped.get(id(tensor))

@@ -180,19 +180,27 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, start + held) of the vocabulary on this rank (padded rows are zeros);
-    a token outside them looks up zeros, and the sum over tp is the full embedding."""
+    a token outside them looks up zeros, and the sum over tp is the full embedding.
+
+    ``padding_idx`` is ``nn.Embedding``'s, in the whole vocabulary: the rank holding that row
+    never gives it a gradient (BERT's [PAD] row stays as loaded, issue 24); other attributes
+    of ``nn.Embedding`` are refused before the swap (``attributes.py``)."""
 
     def __init__(self, weight: torch.Tensor, start: int, held: int, comm: Collectives,
-                 group) -> None:
+                 group, padding_idx: int | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)  # (ceil(V/tp), h)
         self.start, self.held = start, held
         self.comm, self.group = comm, group
+        self.padding_idx = padding_idx
+        mine = padding_idx is not None and start <= padding_idx < start + held
+        self.local_padding_idx = padding_idx - start if mine else None  # row in this shard
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.start + self.held)  # (b, s)
         local = torch.where(outside, torch.zeros_like(ids), ids - self.start)
-        out = nn.functional.embedding(local, self.weight)  # (b, s, h)
+        out = nn.functional.embedding(local, self.weight,  # (b, s, h)
+                                      padding_idx=self.local_padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_group(out, self.comm, self.group)  # (b, s, h)
 

@@ -8,6 +8,9 @@ model's own forward runs unmodified. What the swap must also keep:
 
 - tied weights stay tied: a head whose weight is the embedding's reuses the embedding's new
   local parameter;
+- the embedding's ``padding_idx`` (its row gets no gradient); what a swap cannot carry (an
+  embedding's ``max_norm``, a hook, a forward of its own) is refused by the applier's
+  ``check`` before anything is swapped (``attributes.py``);
 - attention modules learn their local widths (the policy lists the attributes, e.g. GPT-2's
   ``split_size``): heads are split, so each rank attends over its own heads;
 - the LM head gathers its vocabulary-parallel logits, so the model's outputs keep their HF type
@@ -104,7 +107,8 @@ class _Swapper:
     def _embedding(self, old: nn.Embedding) -> tuple[nn.Module, dict[str, ParamLayout]]:
         start, held, _ = vocab_range(old.num_embeddings, self.rank, self.tp)
         weight, layout = split_vocab(old.weight.detach(), self.rank, self.tp)
-        new = VocabParallelEmbedding(weight, start, held, self.comm, self.group)
+        new = VocabParallelEmbedding(weight, start, held, self.comm, self.group,
+                                     old.padding_idx)
         self._tie(new, old, "weight")
         self._remember(new, old)
         return new, {"weight": layout}

@@ -199,12 +199,13 @@ def _check(results: list[dict], pairs: int) -> None:
                               f"{loaded}: {wrong} differ"
 
 
+@pytest.mark.slow
 def test_three_layouts_round_trip_and_reshard_exactly(ranks, tmp_path):
     ranks(4).run(_save, str(tmp_path), [0, 1, 2])
     _check(ranks(4).run(_load, str(tmp_path), [0, 1, 2], [0, 1, 2]), 9)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_a_third_replicated_axis_reshards_to_and_from_four_ranks(ranks, tmp_path):
     ranks(8).run(_save, str(tmp_path), [3])
     ranks(4).run(_save, str(tmp_path), [0, 1])

@@ -10,6 +10,7 @@ same layout and into whole replicated tensors under dp=4.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -110,6 +111,7 @@ def _box(t: torch.Tensor, offsets, sizes) -> torch.Tensor:
     return t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
 
 
+@pytest.mark.slow  # 4 ranks
 def test_zero_over_fused_qkv_and_row_shards_saves_and_reshards(ranks, tmp_path):
     reference = _reference()
     results = ranks(4).run(_run, str(tmp_path / "ckpt"))

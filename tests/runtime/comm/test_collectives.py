@@ -29,6 +29,7 @@ from kernels_runtime.comm import (
 )
 
 from helpers.distributed import run_ranks
+from helpers.tier_guard import on_ranks
 
 CHUNK = 3  # elements per rank in the scattered / gathered layouts
 
@@ -91,7 +92,7 @@ def every_collective_results() -> Callable[[int], list[dict]]:
     return results
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, on_ranks(4)])
 def test_collectives_match_single_process_reference(
     world_size: int, every_collective_results: Callable[[int], list[dict]]
 ) -> None:
@@ -272,6 +273,7 @@ def _ring_exchange(rank: int, world_size: int) -> dict:
     return {"got": got, "back": back, "stats": coll.stats.snapshot()}
 
 
+@pytest.mark.slow  # 4 ranks
 def test_batched_and_asynchronous_point_to_point(ranks) -> None:
     world = 4
     for rank, result in enumerate(ranks(world).run(_ring_exchange)):

@@ -10,6 +10,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.full  # a --quick benchmark run
 def test_the_inference_benchmark_reports_its_figures(capsys):
     from bench.inference import main
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import os
 
+import pytest
 
+
+@pytest.mark.full  # a --quick benchmark run (cgroup trials)
 def test_the_memory_benchmark_reports_its_ratios(capsys):
     from bench.memory import main
 

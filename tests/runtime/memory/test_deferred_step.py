@@ -40,21 +40,42 @@ def _train(plan: str) -> dict:
             "params": state_parameters(model)}
 
 
+HOST = "offload=static offload_params=1 offload_grads=1 offload_optim=1"  # steps at step()
+
+
+def _rel(got: dict, ref: dict) -> dict[str, float]:
+    """Per-parameter relative L2 and the whole model's."""
+    rel = {n: ((got[n] - p).norm() / p.norm().clamp_min(1e-12)).item() for n, p in ref.items()}
+    flat = [torch.cat([t[n].flatten() for n in ref]) for t in (got, ref)]
+    rel["(whole model)"] = ((flat[0] - flat[1]).norm() / flat[1].norm()).item()
+    return rel
+
+
 def _compare(rank: int, world: int) -> dict:
-    ref, got = _train("dp=2 zero=2"), _train(f"dp=2 zero=2 {DISK}")
-    rel = max(((got["params"][n] - p).norm() / p.norm().clamp_min(1e-12)).item()
-              for n, p in ref["params"].items())
-    return {"ref": ref, "got": got, "param_rel": rel}
+    ref, host, got = _train("dp=2 zero=2"), _train(f"dp=2 zero=2 {HOST}"), _train(
+        f"dp=2 zero=2 {DISK}")
+    most = max((got["params"][n] - p).abs().max().item() for n, p in ref["params"].items())
+    return {"ref": ref, "got": got, "host_rel": _rel(got["params"], host["params"]),
+            "ref_rel": _rel(got["params"], ref["params"]), "max_abs": most}
 
 
 def test_deferred_disk_steps_train_like_steps_taken_at_once(ranks):
+    """Against the host tier, whose chunk steps run inside step() with the same arithmetic, the
+    deferred steps give every parameter within 1e-6 (the offload parity tests' bound); against
+    no offload, the data-parallel tests' fp32 bounds with clipping: the clip coefficient rounds
+    differently per chunk than over flat buckets, and Adam turns that into full-size steps of
+    GPT-2's near-zero key biases (loss and whole model 1e-5, any element 1e-4 absolute)."""
     for out in ranks(2).run(_compare, timeout_s=300):
         ref, got = out["ref"], out["got"]
+        worst = max(out["host_rel"].items(), key=lambda kv: kv[1])
         print(f"pending chunk steps after each step() {got['pending']}, deferred "
-              f"{got['deferred']}, param rel {out['param_rel']:.1e}")
+              f"{got['deferred']}; against the host tier: worst {worst}; against no offload: "
+              f"whole model {out['ref_rel']['(whole model)']:.1e}, max abs {out['max_abs']:.1e}")
         assert all(n > 0 for n in got["pending"]), got["pending"]  # really deferred
         assert got["deferred"] >= (STEPS - 1) * got["pending"][0]
         for a, b in zip(got["losses"] + got["evals"], ref["losses"] + ref["evals"]):
             assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], ref["losses"])
         assert got["steps"] == ref["steps"], (got["steps"], ref["steps"])
-        assert out["param_rel"] <= 1e-5, out["param_rel"]
+        assert worst[1] <= 1e-6, worst
+        assert out["ref_rel"]["(whole model)"] <= 1e-5, out["ref_rel"]["(whole model)"]
+        assert out["max_abs"] <= 1e-4, out["max_abs"]

@@ -32,7 +32,7 @@ def _groups(rank: int, world: int, plan: str) -> dict:
             "names": {name: ctx.comm.group_name(g) for name, g in ctx.groups.items()}}
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("plan", PLANS)
 def test_every_group_holds_the_ranks_the_topology_says(ranks, plan):
     results = ranks(8).run(_groups, plan)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from helpers.distributed import context
@@ -46,6 +47,7 @@ def _norm(rank: int, world: int) -> dict:
             "skip": any_rank_overflowed(found, ctx)}
 
 
+@pytest.mark.slow  # 4 ranks
 def test_global_norm_counts_every_element_once(ranks):
     expected = math.sqrt(sum(t.pow(2).sum().item() for t in _full_gradients().values()))
     for result in ranks(4).run(_norm):

@@ -55,6 +55,7 @@ def _refusals(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # 4 ranks
 def test_refused_plans_leave_the_model_untouched(ranks):
     out = ranks(4).run(_refusals)[0]
     for key, words in {"offload": "host_mem=0", "several": "host_mem=0"}.items():

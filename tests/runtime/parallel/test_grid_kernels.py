@@ -243,7 +243,8 @@ def _linear_bytes(d: int, e: int) -> dict[tuple[str, str], int]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["2d", pytest.param("2.5d", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", [pytest.param("2d", marks=pytest.mark.slow),
+                                  pytest.param("2.5d", marks=pytest.mark.full)])
 @pytest.mark.parametrize("dtype_name", ["float32",
                                         pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_grid_kernels_match_one_process(ranks, reference, mode, dtype_name):

@@ -72,9 +72,10 @@ def _split(rank: int, world: int, kind: str, plan: str) -> dict:
 
 
 @pytest.mark.parametrize("kind, plan", [
-    pytest.param("bert", PLAN, marks=pytest.mark.slow), ("vit", PLAN),
-    pytest.param("bert", "tp=8 tp_mode=2.5d tp_depth=2", marks=pytest.mark.slow),
-    pytest.param("vit", "tp=8 tp_mode=2.5d tp_depth=2", marks=pytest.mark.slow)])
+    pytest.param("bert", PLAN, marks=pytest.mark.slow),
+    pytest.param("vit", PLAN, marks=pytest.mark.slow),
+    pytest.param("bert", "tp=8 tp_mode=2.5d tp_depth=2", marks=pytest.mark.full),
+    pytest.param("vit", "tp=8 tp_mode=2.5d tp_depth=2", marks=pytest.mark.full)])
 def test_classifiers_on_the_grid_match_the_unsplit_model(ranks, kind, plan):
     model = _build(kind)
     want = _logits(kind, model)
@@ -127,7 +128,7 @@ def _train(rank: int, world: int, root: str, plan: str, save_at: int | None) -> 
 
 @pytest.mark.parametrize("saved, world", [
     pytest.param(PLAN, 4, marks=pytest.mark.slow),
-    pytest.param("tp=8 tp_mode=2.5d tp_depth=2", 8, marks=pytest.mark.slow)])
+    pytest.param("tp=8 tp_mode=2.5d tp_depth=2", 8, marks=pytest.mark.full)])
 def test_a_grid_checkpoint_resumes_under_1d_and_on_one_rank(ranks, tmp_path, saved, world):
     import json
 
@@ -185,10 +186,11 @@ def _composed(rank: int, world: int, plan: str) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan, world", [("tp=4 tp_mode=2d ckpt", 4),
-                                         ("dp=2 tp=4 tp_mode=2d zero=1", 8),
-                                         ("dp=2 tp=4 tp_mode=2d zero=3", 8),
-                                         ("tp=8 tp_mode=2.5d tp_depth=2 ckpt", 8)])
+@pytest.mark.parametrize("plan, world", [
+    ("tp=4 tp_mode=2d ckpt", 4),
+    pytest.param("dp=2 tp=4 tp_mode=2d zero=1", 8, marks=pytest.mark.full),
+    pytest.param("dp=2 tp=4 tp_mode=2d zero=3", 8, marks=pytest.mark.full),
+    pytest.param("tp=8 tp_mode=2.5d tp_depth=2 ckpt", 8, marks=pytest.mark.full)])
 def test_the_grid_composes_with_data_parallelism_checkpointing_and_clipping(ranks, plan, world):
     """Clipping at 0.5 acts every step, so the global norm must count each grid block, each
     column-replicated chunk and each depth copy once."""
@@ -209,6 +211,7 @@ def _odd_batch(rank: int, world: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow  # 4 ranks
 def test_a_batch_the_grid_rows_do_not_divide_is_refused(ranks):
     for message in ranks(4).run(_odd_batch, timeout_s=120):
         assert "batch of 3 does not split into the grid's 2 row blocks" in message, message
@@ -226,6 +229,7 @@ def _pretrained(rank: int, world: int, folder: str, plan: str) -> torch.Tensor:
         return model(input_ids=_tokens(0)).logits
 
 
+@pytest.mark.slow  # 4 ranks
 def test_a_model_from_pretrained_splits_on_the_grid_with_the_same_outputs(ranks, tmp_path):
     folder = str(tmp_path / "llama")
     model = _llama()
@@ -262,9 +266,10 @@ def _trained(rank: int, world: int, kind: str, plan: str) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, plan", [("bert", PLAN), ("vit", PLAN),
-                                        ("bert", "tp=8 tp_mode=2.5d tp_depth=2"),
-                                        ("vit", "tp=8 tp_mode=2.5d tp_depth=2")])
+@pytest.mark.parametrize("kind, plan", [
+    ("bert", PLAN), ("vit", PLAN),
+    pytest.param("bert", "tp=8 tp_mode=2.5d tp_depth=2", marks=pytest.mark.full),
+    pytest.param("vit", "tp=8 tp_mode=2.5d tp_depth=2", marks=pytest.mark.full)])
 def test_classifiers_on_the_grid_train_like_the_unsplit_model(ranks, kind, plan):
     """Ten SGD steps through ``parallelize`` give the unsplit run's losses (1e-5)."""
     model = _build(kind)

@@ -142,10 +142,10 @@ def test_four_stages_match_one_process(ranks, kind, schedule):
     _check(results, _reference(kind, 8))
 
 
+@pytest.mark.slow  # 4 ranks
 @pytest.mark.parametrize("kind, schedule, rest", [
-    ("gpt2", "1f1b", "tp=2"), pytest.param("llama", "1f1b", "tp=2", marks=SLOW),
-    pytest.param("gpt2", "1f1b", "dp=2", marks=SLOW), ("llama", "1f1b", "dp=2 zero=1"),
-    pytest.param("gpt2", "1f1b", "sp=2 sp_mode=ring", marks=SLOW),
+    ("gpt2", "1f1b", "tp=2"), ("llama", "1f1b", "tp=2"), ("gpt2", "1f1b", "dp=2"),
+    ("llama", "1f1b", "dp=2 zero=1"), ("gpt2", "1f1b", "sp=2 sp_mode=ring"),
     ("llama", "zbv", "sp=2 sp_mode=all_to_all")])
 def test_pipelines_compose_with_tensor_data_and_sequence_parallelism(ranks, kind, schedule,
                                                                      rest):
@@ -153,7 +153,7 @@ def test_pipelines_compose_with_tensor_data_and_sequence_parallelism(ranks, kind
     _check(results, _reference(kind))
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("kind, schedule, rest", [
     ("gpt2", "1f1b", "dp=2 tp=2 zero=1"), ("llama", "zbv", "dp=2 tp=2"),
     ("llama", "1f1b", "tp=4 tp_mode=2d"), ("gpt2", "interleaved", "tp=4 tp_mode=2d")])

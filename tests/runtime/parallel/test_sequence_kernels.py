@@ -27,6 +27,7 @@ from kernels_runtime.parallel.sequence.zigzag import (
 )
 
 from helpers.distributed import context
+from helpers.tier_guard import on_ranks
 
 B, H, D = 2, 4, 8
 
@@ -99,7 +100,8 @@ RING_CASES = [  # (sp, layout, causal, padding, kv heads, dtype, tolerance)
 ]
 
 
-@pytest.mark.parametrize("sp, layout, causal, padding, kv_heads, dtype, tol", RING_CASES)
+@pytest.mark.parametrize("sp, layout, causal, padding, kv_heads, dtype, tol",
+                         [on_ranks(case[0], *case) for case in RING_CASES])
 def test_ring_attention_matches_attention_on_the_whole_sequence(
         ranks, sp, layout, causal, padding, kv_heads, dtype, tol):
     seq = 24 if sp == 2 else 32
@@ -183,7 +185,7 @@ def _ulysses(rank: int, world: int, kv_heads: int, seq: int) -> dict:
             "error": error}
 
 
-@pytest.mark.parametrize("sp, kv_heads", [(2, 2), (4, 2), (4, 4)])
+@pytest.mark.parametrize("sp, kv_heads", [(2, 2), on_ranks(4, 4, 2), on_ranks(4, 4, 4)])
 def test_ulysses_matches_attention_on_the_whole_sequence(ranks, sp, kv_heads):
     seq = 16
     ref = _reference(_inputs(seq, kv_heads, "none"), causal=True)

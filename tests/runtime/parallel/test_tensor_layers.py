@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from helpers.distributed import process_comm
+from helpers.tier_guard import on_ranks
 
 B, S, H, F, V = 2, 3, 8, 16, 10
 
@@ -92,7 +93,7 @@ def _parallel(rank: int, world: int) -> dict:
             "qkv": q_global.detach(), "ce": ce.detach()}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, on_ranks(4)])
 def test_tensor_parallel_layers_match_one_process(ranks, world):
     ref = _reference()
     results = ranks(world).run(_parallel)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from helpers.distributed import context
+from helpers.tier_guard import on_ranks
 
 SEQ, BATCH = 8, 4
 
@@ -94,11 +95,11 @@ def _split(rank: int, world: int, kind: str, plan: str) -> dict:
 
 
 @pytest.mark.parametrize("kind, plan", [
-    ("gpt2", "tp=2"), ("gpt2", "tp=4"), ("llama", "tp=2"), ("llama", "tp=4"),
+    ("gpt2", "tp=2"), on_ranks(4, "gpt2", "tp=4"), ("llama", "tp=2"), on_ranks(4, "llama", "tp=4"),
     ("gpt2", "tp=2 sp_mode=split_gather"), ("llama", "tp=2 sp_mode=split_gather"),
-    pytest.param("gpt2", "tp=4 tp_mode=2d", marks=pytest.mark.slow), ("llama", "tp=4 tp_mode=2d"),
-    pytest.param("gpt2", "tp=8 tp_mode=2.5d tp_depth=2", marks=pytest.mark.slow),
-    pytest.param("llama", "tp=8 tp_mode=2.5d tp_depth=2", marks=pytest.mark.slow)])
+    on_ranks(4, "gpt2", "tp=4 tp_mode=2d"), on_ranks(4, "llama", "tp=4 tp_mode=2d"),
+    pytest.param("gpt2", "tp=8 tp_mode=2.5d tp_depth=2", marks=pytest.mark.full),
+    pytest.param("llama", "tp=8 tp_mode=2.5d tp_depth=2", marks=pytest.mark.full)])
 def test_tensor_parallel_matches_the_unsplit_model(ranks, kind, plan):
     ref = _reference(kind)
     world = int(plan.split()[0].removeprefix("tp="))

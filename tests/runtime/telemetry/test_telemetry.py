@@ -154,6 +154,19 @@ def test_publishing_is_rate_limited_cumulative_and_flushed() -> None:
     assert tel.flush() and sent.sent[-1]["memory"]["disk_spill"] == 4096
 
 
+def test_an_abort_that_frees_blocks_without_a_step_is_flushed() -> None:
+    sent = Recorder()
+    tel = _telemetry(FakeClock(), publisher=sent)
+    tel.record_inference({"steps": 7, "running": 1, "waiting": 0, "blocks_used": 5,
+                          "aborted": 0})
+    assert tel.flush() and sent.sent[-1]["inference"]["blocks_used"] == 5
+    assert not tel.flush()
+    # the engine's last request aborted: no step taken, its blocks back in the pool
+    tel.record_inference({"steps": 7, "running": 0, "waiting": 0, "blocks_used": 0,
+                          "aborted": 1})
+    assert tel.flush() and sent.sent[-1]["inference"]["blocks_used"] == 0
+
+
 def test_only_the_installing_thread_publishes() -> None:
     sent = Recorder()
     tel = _telemetry(FakeClock(), publisher=sent)
