@@ -47,26 +47,26 @@ test-fast: $(STAMP)
 	$(BIN)/ruff check .
 	@mkdir -p $(RESULTS)
 	WORKBENCH_TEST_TIER=fast $(PYTEST) --timeout=120 --junitxml=$(RESULTS)/fast.xml \
-		-m "not slow and not engines and not full and not install" | tee $(RESULTS)/fast.log | $(QUIET)
-	@$(REPORT) fast
+		-m "not slow and not engines and not full and not install" | tee $(RESULTS)/fast.log | $(QUIET); \
+		status=$$?; $(REPORT) fast; exit $$status
 
 test: $(STAMP)
 	$(BIN)/ruff check .
 	@mkdir -p $(RESULTS)
 	WORKBENCH_TEST_TIER=test $(PYTEST) --junitxml=$(RESULTS)/test.xml \
-		-m "not full and not install" | tee $(RESULTS)/test.log | $(QUIET)
-	@$(REPORT) test
+		-m "not full and not install" | tee $(RESULTS)/test.log | $(QUIET); \
+		status=$$?; $(REPORT) test; exit $$status
 
 test-full: $(STAMP)
 	@mkdir -p $(RESULTS)
 	WORKBENCH_TEST_TIER=full $(PYTEST) --junitxml=$(RESULTS)/full.xml \
-		-m "full and not install" | tee $(RESULTS)/full.log | $(QUIET)
-	@$(REPORT) full
+		-m "full and not install" | tee $(RESULTS)/full.log | $(QUIET); \
+		status=$$?; $(REPORT) full; exit $$status
 
 test-install: $(STAMP)
 	@mkdir -p $(RESULTS)
-	$(PYTEST) --junitxml=$(RESULTS)/install.xml -m install | tee $(RESULTS)/install.log
-	@$(REPORT) install
+	$(PYTEST) --junitxml=$(RESULTS)/install.xml -m install | tee $(RESULTS)/install.log; \
+		status=$$?; $(REPORT) install; exit $$status
 
 test-report:
 	$(BIN)/python -m tests.report

@@ -27,6 +27,7 @@ import torch
 import torch.multiprocessing as mp
 
 from kernels_runtime.comm import destroy_distributed, find_free_port, init_distributed
+from kernels_runtime.comm.process_group import PORT_TAKEN as _PORT_TAKEN
 
 
 class RanksFailedError(AssertionError):
@@ -35,7 +36,6 @@ class RanksFailedError(AssertionError):
     An AssertionError so that pytest shows it as a plain test failure."""
 
 
-_PORT_TAKEN = ("address already in use", "eaddrinuse")
 _ATTEMPTS = 3
 _GRACE_S = 5.0  # how long the other ranks may still report after one rank failed
 _READY = -1  # task id of the start-up message

@@ -144,6 +144,18 @@ def describe_rank() -> dict[str, Any]:
 
 
 @interactive
+def rank_memory() -> dict[str, Any]:
+    """What this rank could hold: its device's bytes (None for a CPU rank) and its host's
+    available bytes (shared by every rank on that host), with the host's name."""
+    import socket
+
+    import psutil
+
+    return {"device": globals()["session"].state.accelerator.total_memory(),
+            "host_available": psutil.virtual_memory().available, "host": socket.gethostname()}
+
+
+@interactive
 def set_plan(plan: Any) -> None:
     globals()["plan"] = plan
     globals()["session"].plan = plan

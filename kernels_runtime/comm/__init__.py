@@ -9,6 +9,7 @@ from kernels_runtime.comm.process_group import (
     destroy_distributed,
     find_free_port,
     init_distributed,
+    init_single_process,
 )
 from kernels_runtime.comm.stats import CommStats
 
@@ -22,4 +23,5 @@ __all__ = [
     "destroy_distributed",
     "find_free_port",
     "init_distributed",
+    "init_single_process",
 ]

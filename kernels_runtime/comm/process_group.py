@@ -19,6 +19,9 @@ import torch.distributed as dist
 
 from kernels_runtime.comm.accelerator import Accelerator
 
+# what a rendezvous store says when another process took its port between find_free_port and
+# the bind: the caller picks another port and tries again
+PORT_TAKEN = ("address already in use", "eaddrinuse")
 
 def find_free_port(host: str = "127.0.0.1") -> int:
     """A port the OS just reported free. Another process may still take it before rank 0 binds
@@ -83,6 +86,19 @@ def init_distributed(
     return DistributedState(
         rank, world_size, local_rank, backend, accelerator, master_addr, master_port, timeout_s
     )
+
+
+def init_single_process(timeout_s: float = 60.0, attempts: int = 3) -> DistributedState:
+    """A private group of one rank on a free loopback port, for a plain Python process (no pool,
+    no torchrun): the runtime then runs there exactly as on a pool of one rank, with the backend
+    a one-rank pool would take (the accelerator's). Retries when the port is taken meanwhile."""
+    for attempt in range(attempts):
+        try:
+            return init_distributed(0, 1, "127.0.0.1", find_free_port(), None, timeout_s)
+        except RuntimeError as err:  # DistNetworkError is one
+            if not any(m in str(err).lower() for m in PORT_TAKEN) or attempt + 1 == attempts:
+                raise
+    raise AssertionError("unreachable")
 
 
 def destroy_distributed() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 _PUBLIC = {  # loaded on first use (PEP 562): the torch-free modules stay importable alone
     "Engine": "kernels_runtime.inference.engine",
-    "inference_problem": "kernels_runtime.inference.engine",
+    "inference_problem": "kernels_runtime.inference.plans",
     "RequestOutput": "kernels_runtime.inference.params",
     "SamplingParams": "kernels_runtime.inference.params",
 }

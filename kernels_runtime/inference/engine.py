@@ -20,7 +20,6 @@ import itertools
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ from kernels_runtime.inference.batch import build_batch
 from kernels_runtime.inference.blocks import BlockPool
 from kernels_runtime.inference.kv_cache import PagedKVCache, blocks_for, bytes_per_block
 from kernels_runtime.inference.params import RequestOutput, SamplingParams
+from kernels_runtime.inference.plans import inference_plan, inference_problem
 from kernels_runtime.inference.requests import RequestError, check_fits, check_params, prompt_ids
 from kernels_runtime.inference.runner import ModelRunner
 from kernels_runtime.inference.sampling import new_generator, sample, stop_check
@@ -40,34 +40,17 @@ from kernels_runtime.inference.sequence import Sequence
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.plan import Plan, PlanError
 from kernels_runtime.mesh.sizes import human_bytes, parse_bytes
-from kernels_runtime.mesh.validation import pipeline_chunks
 from kernels_runtime.parallel.state import parallel_state
 from kernels_runtime.policies import find_module
 from kernels_runtime.precision import compute_dtype
 
 
-def inference_problem(plan: Plan) -> str | None:
-    """Why ``plan`` cannot serve inference, or None."""
-    if plan.tp_mode != "1d":
-        return (f"the inference engine runs 1D tensor parallelism; tp_mode={plan.tp_mode} "
-                "splits heads over a grid it does not page yet: use tp_mode=1d")
-    if plan.sp > 1:
-        return ("sequence parallelism splits one sequence over ranks for training; for "
-                "inference use tp, pp or dp replicas (sp=1)")
-    if plan.pp > 1 and pipeline_chunks(plan) > 1:
-        return (f"inference runs one chunk per pipeline stage; pp_schedule={plan.pp_schedule} "
-                "has several: use pp_schedule=1f1b or gpipe")
-    if plan.dp > 1 and (plan.zero_stage == 3 or plan.offload != "none"):
-        return ("data-parallel replicas serve their own requests, so each holds its whole "
-                "model: zero=3 and offload shard weights over dp; use dp=1 with offload (or "
-                "pp/tp to split the model), or zero<=2 without offload for replicas")
-    return None
-
-
 class Engine:
     """Paged-KV, continuously batched generation (module docstring). Collective: every rank
     builds it with the same arguments, then calls ``generate`` / ``stream`` together (or
-    ``add_request`` / ``step`` / ``abort`` together within a replica)."""
+    ``add_request`` / ``step`` / ``abort`` together within a replica). In a plain Python
+    process, ``Engine(model)`` runs on one rank (``ParallelContext.build`` gives it a group of
+    its own), as vLLM's ``LLM(model)`` does."""
 
     def __init__(self, model: nn.Module, plan: Plan | str | None = None, *, ctx: Any = None,
                  comm: Any = None, kv_mem: int | str | None = None, tokenizer: Any = None,
@@ -82,11 +65,7 @@ class Engine:
         state = parallel_state(model)
         if state is None:
             if ctx is None:
-                plan = Plan.parse(plan if plan is not None else Plan())
-                # micro-batches are a training notion: a pipeline's check for enough of them
-                # (so stages do not idle) has nothing to check here
-                plan = replace(plan, microbatches=max(plan.microbatches, plan.pp))
-                ctx = ParallelContext.build(plan, comm)
+                ctx = ParallelContext.build(inference_plan(plan), comm)
             problem = inference_problem(ctx.plan)
             if problem:
                 raise PlanError(problem)

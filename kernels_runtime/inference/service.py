@@ -84,12 +84,16 @@ def serve(engine: Any, receive: Callable[[float], list[Command]] | None,
     leader = replica_leader(ctx)
     stop_strings: dict[str, tuple[str, ...]] = {}
     tracker = DeltaTracker(lambda rid: stop_strings.get(rid, ()))
-    stopping = False
+    stopping = idle_figures_due = False
     while True:
         commands = None
         if leader:
             commands = receive(0.0 if engine.has_unfinished() or stopping else idle_s)
-        for command in share(ctx, commands):
+        shared = share(ctx, commands)
+        if idle_figures_due and not shared and not engine.has_unfinished():
+            ctx.telemetry.flush()  # idle for a whole wait: its last figures must go out
+            idle_figures_due = False
+        for command in shared:
             if command.kind == "stop":
                 stopping = True
             elif command.kind == "abort":
@@ -102,6 +106,8 @@ def serve(engine: Any, receive: Callable[[float], list[Command]] | None,
                     if isinstance(params.stop, (str, list, tuple)) else ()
                 engine.add_request(prompt, params, request_id=command.request_id)
         if stopping and not engine.has_unfinished():
+            if idle_figures_due:
+                ctx.telemetry.flush()
             return
         if engine.has_unfinished():
             changed = engine.step()
@@ -110,5 +116,7 @@ def serve(engine: Any, receive: Callable[[float], list[Command]] | None,
             for out in changed:
                 if out.finished:
                     stop_strings.pop(out.request_id, None)
-            if not engine.has_unfinished():
-                ctx.telemetry.flush()  # idle from now: its last figures must go out
+            # Idle now, perhaps only until a client's next request: the figures go out once a
+            # wait of idle_s brought nothing, so a flush of an idle moment between requests
+            # (which restarts the publisher's interval) never hides a busy replica's figures.
+            idle_figures_due = not engine.has_unfinished()

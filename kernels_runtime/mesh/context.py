@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from kernels_runtime.comm import Accelerator, Collectives
+from kernels_runtime.comm import Accelerator, Collectives, init_single_process
 from kernels_runtime.mesh.cache import MeshCache
 from kernels_runtime.mesh.plan import AXES, Plan
 from kernels_runtime.mesh.topology import Topology
@@ -56,13 +56,12 @@ class ParallelContext:
     ) -> ParallelContext:
         """The context of ``plan`` on the initialised default process group (collective: every
         rank must call it with the same plan). Pass the session's ``comm`` to reuse its cached
-        groups; without one, a new ``Collectives`` (and new groups) is made."""
+        groups; without one, a new ``Collectives`` (and new groups) is made. In a plain process
+        (no group yet) a plan of one rank gets a private group of one (``join_single_process``)."""
+        plan = Plan.parse(plan)
         if not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialised: start a pool (`%colossal start`) or run "
-                "under torchrun and call kernels_runtime.session.RankSession.from_env() first"
-            )
-        plan = Plan.parse(plan).validate(dist.get_world_size())
+            join_single_process(plan)
+        plan = plan.validate(dist.get_world_size())
         if device is None:
             device = Accelerator.for_backend(dist.get_backend()).device
         comm = comm if comm is not None else Collectives()
@@ -179,3 +178,19 @@ class ParallelContext:
     def describe(self) -> str:
         where = " ".join(f"{a}={self.coords[a]}/{self.size(a)}" for a in AXES)
         return f"rank {self.rank}: {where} on {self.device}"
+
+
+def join_single_process(plan: Plan) -> None:
+    """Give a plain Python process (no pool, no torchrun) a private group of one rank when
+    ``plan`` needs only one, so ``Engine(model)`` or ``parallelize(model, opt, "zero=0")``
+    runs there as it would on a pool of one rank; a plan needing more ranks cannot, and says
+    where to get them. An impossible plan is refused before any group is made."""
+    ranks = (plan.dp or 1) * plan.tp * plan.pp * plan.sp
+    if ranks > 1:
+        raise RuntimeError(
+            f"plan {plan.to_string()!r} needs {ranks} ranks, but this process runs alone (no "
+            f"torch.distributed group): start a pool of {ranks} ranks (`%colossal start -n "
+            f"{ranks}`) and run it in a %%colossal cell, or run the script under `torchrun "
+            f"--nproc-per-node {ranks}` with kernels_runtime.session.RankSession.from_env()")
+    plan.validate(1)
+    init_single_process()

@@ -92,7 +92,8 @@ def check_plan(plan: Plan, world_size: int, model_config: Any = None) -> Plan:
         raise PlanError(f"zero={plan.zero_stage}: ZeRO stages are 0 (DDP), 1, 2 or 3")
 
     model_ranks = plan.tp * plan.pp * plan.sp
-    if plan.dp is None:
+    auto_dp = plan.dp is None  # the pool's size is given and dp takes what is left
+    if auto_dp:
         if world_size % model_ranks:
             raise PlanError(
                 f"tp*pp*sp = {model_ranks} does not divide the {world_size} ranks of the pool; "
@@ -124,7 +125,7 @@ def check_plan(plan: Plan, world_size: int, model_config: Any = None) -> Plan:
         _check_pipeline(plan)
     _check_sequence_mode(plan)
     if model_config is not None:
-        _check_model(plan, model_config)
+        _check_model(plan, model_config, world_size if auto_dp else None)
     return plan
 
 
@@ -211,27 +212,46 @@ def _check_grid_model(plan: Plan, heads: int | None, kv_heads: int | None,
                 f"choose a grid whose side divides {value}, or tp_mode=1d")
 
 
-def _check_model(plan: Plan, config: Any) -> None:
+def tp_values(heads: int | None, kv_heads: int | None) -> list[int]:
+    """The 1D tp degrees a model with these head counts splits into: tp divides the query heads,
+    and it divides the key/value heads (each rank keeps its own) or is a multiple of them (each
+    rank keeps the one it needs, whole: grouped heads are replicated when tp exceeds them)."""
+    top = heads or kv_heads or 1
+    return [t for t in range(1, top + 1)
+            if (heads is None or heads % t == 0)
+            and (kv_heads is None or kv_heads % t == 0 or t % kv_heads == 0)]
+
+
+def _tp_refusal(plan: Plan, heads: int | None, kv_heads: int | None, works: list[int],
+                pool: int | None) -> str:
+    """Why ``plan.tp`` cannot split the model, and the tp values that can: those that fit the
+    pool when its size is fixed (``pool``: dp=auto takes what tp leaves), the others apart."""
+    if heads is not None and heads % plan.tp:
+        grouped = f" ({kv_heads} key/value heads)" if kv_heads not in (None, heads) else ""
+        what = f"tp={plan.tp} does not divide the model's {heads} attention heads{grouped}"
+    else:
+        what = (f"tp={plan.tp} neither divides the model's {kv_heads} key/value heads nor is a "
+                "multiple of them (each rank would need parts of two key/value heads)")
+    fit = works if pool is None else [t for t in works if pool % (t * plan.pp * plan.sp) == 0]
+    rest = [t for t in works if t not in fit]
+    listed = f"tp values that work: {', '.join(map(str, fit))}"
+    if rest:
+        they = "they divide" if len(rest) > 1 else "it divides"
+        listed += (f" on this pool of {pool} ranks; {', '.join(map(str, rest))} on a pool "
+                   f"whose size {they}")
+    return f"{what}; {listed}"
+
+
+def _check_model(plan: Plan, config: Any, pool: int | None = None) -> None:
     heads = _config_value(config, "num_attention_heads", "n_head", "num_heads")
     layers = _config_value(config, "num_hidden_layers", "n_layer", "num_layers")
     kv_heads = _config_value(config, "num_key_value_heads")
     if plan.tp_mode != "1d":
         _check_grid_model(plan, heads, kv_heads, _config_value(config, "hidden_size", "n_embd"))
-    elif heads is not None and plan.tp > 1 and heads % plan.tp:
-        raise PlanError(
-            f"tp={plan.tp} does not divide the model's {heads} attention heads; "
-            f"choose tp among the divisors of {heads}: "
-            f"{', '.join(str(t) for t in range(1, heads + 1) if heads % t == 0)}"
-        )
-    if (kv_heads is not None and plan.tp > 1 and plan.tp_mode == "1d" and kv_heads % plan.tp
-            and plan.tp % kv_heads):
-        valid = [t for t in range(1, (heads or kv_heads) + 1)
-                 if (heads is None or heads % t == 0) and (kv_heads % t == 0 or t % kv_heads == 0)]
-        raise PlanError(
-            f"tp={plan.tp} neither divides the model's {kv_heads} key/value heads nor is a "
-            f"multiple of them (each rank would need parts of two key/value heads); "
-            f"choose tp among {', '.join(map(str, valid))}"
-        )
+    elif plan.tp > 1 and (heads is not None or kv_heads is not None):
+        works = tp_values(heads, kv_heads)
+        if plan.tp not in works:
+            raise PlanError(_tp_refusal(plan, heads, kv_heads, works, pool))
     if heads is not None and plan.sp > 1 and plan.sp_mode == "all_to_all" and heads % plan.sp:
         raise PlanError(
             f"sp_mode=all_to_all splits the {heads} heads over sp={plan.sp}; "

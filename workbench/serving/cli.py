@@ -1,12 +1,13 @@
 """``workbench serve``: a model folder served from a pool of its own, from a shell.
 
-    workbench serve --model DIR --plan "tp=2" [--pool-size N] [--port 8000] [--host 127.0.0.1]
+    workbench serve --model DIR [--plan "tp=2"] [--pool-size N] [--port 8000] [--host 127.0.0.1]
                     [--api-key K | --no-api-key] [--kv-mem 256MiB] [--model-name NAME]
 
 The pool starts, every rank loads the model (``from_pretrained``, with the folder's tokenizer
 when it has one) and builds the engine under the plan, and the endpoint serves until SIGINT or
 SIGTERM, which drain the requests in flight before the pool stops. The same ``Server`` as
-``%colossal serve``; only who starts it differs.
+``%colossal serve``; only who starts it differs. Without ``--plan`` the plan fits the pool
+(``fit.py``); a plan that cannot work is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 BUILD = """
 from pathlib import Path
@@ -39,9 +41,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model folder over the OpenAI HTTP API from a "
                                      "pool of its own")
     p.add_argument("--model", required=True, type=Path, help="a save_pretrained folder")
-    p.add_argument("--plan", default="dp=1", help='e.g. "tp=2" or "dp=2"')
+    p.add_argument("--plan", default=None,
+                   help='e.g. "tp=2" or "dp=2" (default: replicas over the pool where the '
+                        'model fits each rank, else the narrowest tp that fits)')
     p.add_argument("--pool-size", type=int, default=None,
-                   help="ranks (default: one per GPU, else 2)")
+                   help="ranks (default: the plan's dp*tp*pp*sp, else one per GPU, else 2)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--api-key", default=None)
@@ -53,44 +57,78 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from workbench.errors import PoolError
-    from workbench.execution import run_cell
+    from kernels_runtime.mesh.plan import PlanError
+    from workbench.errors import PoolError, RankFailureError
     from workbench.pool import Pool
-    from workbench.serving.keys import new_key
-    from workbench.serving.server import Server, check_port
+    from workbench.serving import fit
+    from workbench.serving.server import check_port
 
     folder = args.model.resolve()
     if not (folder / "config.json").exists():
-        print(f"workbench serve: {folder} is not a model folder (no config.json; write one with "
-              "model.save_pretrained(folder))", file=sys.stderr)
-        return 2
+        return _fail(f"{folder} is not a model folder (no config.json; write one with "
+                     "model.save_pretrained(folder))")
     try:
+        config = fit.folder_config(folder)
+        plan, size = fit.requested(args.plan, args.pool_size, config)
         check_port(args.host, args.port)
-    except PoolError as err:
-        print(f"workbench serve: {err}", file=sys.stderr)
-        return 2
+    except (PlanError, PoolError, ValueError) as err:  # ValueError: a config.json not JSON
+        return _fail(str(err))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    pool = Pool(args.pool_size).start(progress=lambda note: print(f"waiting: {note}"))
-    server = None
+    pool, server = Pool(size), None
     try:
-        run_cell(pool, BUILD.format(folder=str(folder), plan=args.plan, kv_mem=args.kv_mem),
-                 stream=lambda rank, name, text: rank == 0 and print(text, end=""),
-                 display=lambda rank, content: None)
-        key, where = (None, None) if args.no_api_key else new_key(args.port, args.api_key)
-        server = Server(pool, "engine", model_id=args.model_name or folder.name,
-                        host=args.host, port=args.port, api_key=key).start()
-        auth = f"API key in {where}" if key else "no API key"
-        print(f"serving {server.model_id} at {server.url} ({pool.world_size} ranks, plan "
-              f"{args.plan}); {auth}. Ctrl-C drains and stops.", flush=True)
+        pool.start(progress=lambda note: print(f"waiting: {note}"))
+        if plan is None:
+            plan = fit.fitting(pool.world_size, fit.rank_capacity(_rank_memory(pool)), config,
+                               fit.weight_bytes(folder))
+        server = _serve(pool, folder, plan.to_string(), args)
         stop.wait()
         print("draining the requests in flight...", flush=True)
         return 0
+    except PlanError as err:
+        return _fail(str(err))
+    except RankFailureError as err:  # one line: what failed where (a rank's PlanError is 2)
+        planned = all(f.ename == "PlanError" for f in err.failures)
+        return _fail(" ".join(err.summary().split()), 2 if planned else 1)
     except PoolError as err:
-        print(f"workbench serve: {err}", file=sys.stderr)
-        return 1
+        return _fail(str(err), 1)
     finally:
         if server is not None:
             server.stop()
         pool.stop()
+
+
+def _serve(pool: Any, folder: Path, plan: str, args: argparse.Namespace) -> Any:
+    """Build the engine on every rank under ``plan`` and start the endpoint in front of it."""
+    from workbench.execution import run_cell
+    from workbench.serving.keys import new_key
+    from workbench.serving.server import Server
+
+    run_cell(pool, BUILD.format(folder=str(folder), plan=plan, kv_mem=args.kv_mem),
+             stream=lambda rank, name, text: rank == 0 and print(text, end=""),
+             display=lambda rank, content: None)
+    key, where = (None, None) if args.no_api_key else new_key(args.port, args.api_key)
+    server = Server(pool, "engine", model_id=args.model_name or folder.name,
+                    host=args.host, port=args.port, api_key=key)
+    try:
+        server.start()
+    except BaseException:
+        server.stop()  # what started of it (the ranks' loop, the bridge) stops with it
+        raise
+    auth = f"API key in {where}" if key else "no API key"
+    print(f"serving {server.model_id} at {server.url} ({pool.world_size} ranks, plan "
+          f"{plan}); {auth}. Ctrl-C drains and stops.", flush=True)
+    return server
+
+
+def _rank_memory(pool: Any) -> list[dict[str, Any]]:
+    """Each rank's memory (``engine_calls.rank_memory``), in rank order."""
+    from workbench import engine_calls
+
+    return pool.view().apply_async(engine_calls.rank_memory).get(timeout=60)
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"workbench serve: {message}", file=sys.stderr)
+    return code

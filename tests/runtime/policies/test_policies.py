@@ -122,12 +122,12 @@ def test_model_config_feeds_plan_validate():
     config = get_policy(model).model_config(model)
     assert Plan.parse("tp=2").validate(2, config).tp == 2
     assert Plan.parse("tp=4").validate(4, config).tp == 4
-    with pytest.raises(PlanError, match="4 attention heads; choose tp among the divisors of 4: "
-                                        "1, 2, 4"):
+    with pytest.raises(PlanError, match=r"4 attention heads \(2 key/value heads\); tp values "
+                                        "that work: 1, 2, 4$"):
         Plan.parse("tp=8").validate(8, config)
     odd = dict(config, num_attention_heads=12, num_key_value_heads=4)
     with pytest.raises(PlanError, match="neither divides the model's 4 key/value heads.*"
-                                        "among 1, 2, 4, 12"):
+                                        "work: 1, 2 on this pool of 6 ranks; 4, 12 on a pool"):
         Plan.parse("tp=6").validate(6, odd)
     with pytest.raises(PlanError, match="needs at least 4 blocks but the model has 2"):
         Plan.parse("pp=4 mb=4").validate(4, config)
