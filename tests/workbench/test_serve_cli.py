@@ -7,16 +7,14 @@ exits cleanly. Bad invocations fail fast with a clear message.
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
 from helpers import inference as inf
 from helpers.distributed import process_comm
+from helpers.serve_cli import workbench_serve
 
 pytestmark = pytest.mark.engines
 PROMPTS = ["def __init__(self", "import os\n"]
@@ -45,26 +43,10 @@ def folder(tmp_path_factory):
 def test_workbench_serve_answers_like_the_engine_and_drains_on_sigint(folder, ranks):
     from openai import OpenAI
 
-    from workbench.serving.server import free_port
-
     expected = ranks(1).run(_reference, str(folder), timeout_s=300)[0]
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "workbench.cli", "serve", "--model", str(folder), "--plan",
-         "tp=2", "--pool-size", "2", "--port", str(port), "--api-key", "k-test"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        assert proc.poll() is None, proc.stdout.read()
-        client = OpenAI(base_url=url + "/v1", api_key="k-test", max_retries=0)
+    with workbench_serve("--model", str(folder), "--plan", "tp=2", "--pool-size", "2",
+                         "--api-key", "k-test") as served:
+        client = OpenAI(base_url=served.url + "/v1", api_key="k-test", max_retries=0)
         for prompt, text in zip(PROMPTS, expected["completions"]):
             got = client.completions.create(model="tiny-gpt2", prompt=prompt, max_tokens=20,
                                             temperature=0)
@@ -78,10 +60,8 @@ def test_workbench_serve_answers_like_the_engine_and_drains_on_sigint(folder, ra
         streamed = client.chat.completions.create(model="tiny-gpt2", messages=CHAT,
                                                   max_tokens=20, temperature=0, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected["chat"]
-    finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
+    out = served.output
+    assert served.proc.returncode == 0, out
     assert "serving tiny-gpt2 at" in out and "draining" in out
 
 

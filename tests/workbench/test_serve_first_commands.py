@@ -9,15 +9,13 @@ traceback, before any pool starts.
 from __future__ import annotations
 
 import re
-import signal
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
 from helpers import inference as inf
+from helpers.serve_cli import workbench_serve
 
 pytestmark = pytest.mark.engines
 PROMPT = "def __init__(self"
@@ -57,36 +55,20 @@ def test_serve_with_only_a_model_answers_like_hf_generate(folder):
     from openai import OpenAI
 
     from workbench.serving import api_key
-    from workbench.serving.server import free_port
 
     expected = _hf_greedy(str(folder), PROMPT)
     expected_chat = _hf_greedy(str(folder), _chat_prompt(str(folder)))
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "workbench.cli", "serve", "--model", str(folder), "--port",
-         str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        assert proc.poll() is None, proc.stdout.read()
-        client = OpenAI(base_url=url + "/v1", api_key=api_key(port), max_retries=0)
+    with workbench_serve("--model", str(folder)) as served:
+        client = OpenAI(base_url=served.url + "/v1", api_key=api_key(served.port),
+                        max_retries=0)
         got = client.completions.create(model="tiny-gpt2", prompt=PROMPT, max_tokens=NEW,
                                         temperature=0)
         assert got.choices[0].text == expected
         chat = client.chat.completions.create(model="tiny-gpt2", messages=CHAT,
                                               max_tokens=NEW, temperature=0)
         assert chat.choices[0].message.content == expected_chat
-    finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
+    out = served.output
+    assert served.proc.returncode == 0, out
     # the default pool (2 CPU ranks here) serves one replica per rank
     assert re.search(r"serving tiny-gpt2 at .* \((\d+) ranks, plan dp=\1\)", out), out
 
