@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
+from kernels_runtime.user_cache import cache_root
+
 # Bumped whenever the selection or separator changes, so stale caches are never reused.
 _FORMAT = "v1"
-_DEFAULT_CACHE = Path("~/.cache/colossal-workbench")
-_CACHE_ENV = "WORKBENCH_CACHE_DIR"
 # Directory names that hold tests, vendored packages or bytecode rather than library source.
 _SKIP_DIRS = frozenset(
     {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
@@ -90,7 +90,7 @@ def build_stdlib_corpus(max_bytes: int | None = None) -> bytes:
 
 def cache_path(max_bytes: int | None, cache_dir: str | Path | None = None) -> Path:
     """Where the corpus for this interpreter version and size lives (the file may not exist)."""
-    base = Path(cache_dir or os.environ.get(_CACHE_ENV) or _DEFAULT_CACHE).expanduser()
+    base = cache_root(cache_dir)
     v = sys.version_info
     tag = f"{sys.implementation.name}{v.major}.{v.minor}.{v.micro}"
     size = "all" if max_bytes is None else str(max_bytes)

@@ -185,7 +185,7 @@ def join_single_process(plan: Plan) -> None:
     ``plan`` needs only one, so ``Engine(model)`` or ``parallelize(model, opt, "zero=0")``
     runs there as it would on a pool of one rank; a plan needing more ranks cannot, and says
     where to get them. An impossible plan is refused before any group is made."""
-    ranks = (plan.dp or 1) * plan.tp * plan.pp * plan.sp
+    ranks = plan.ranks
     if ranks > 1:
         raise RuntimeError(
             f"plan {plan.to_string()!r} needs {ranks} ranks, but this process runs alone (no "

@@ -120,6 +120,11 @@ class Plan:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def ranks(self) -> int:
+        """Ranks the plan needs as written: dp*tp*pp*sp, an unset dp counting as 1."""
+        return (self.dp or 1) * self.tp * self.pp * self.sp
+
     # ---- validation ---------------------------------------------------------------------
     def validate(self, world_size: int, model_config: Any = None) -> Plan:
         """Return the plan with dp resolved, or raise PlanError naming the field and a fix."""

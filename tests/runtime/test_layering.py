@@ -21,7 +21,7 @@ import kernels_runtime
 ROOT = Path(kernels_runtime.__file__).parent
 # bottom to top; a module may import its own package and any lower layer, nothing else
 LAYERS: list[tuple[str, ...]] = [
-    ("telemetry",),
+    ("telemetry", "user_cache"),
     ("comm",),
     ("launcher_env",),
     ("mesh",),

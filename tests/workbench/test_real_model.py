@@ -22,6 +22,7 @@ import shutil
 import pytest
 import torch
 
+from kernels_runtime.user_cache import CACHE_ENV
 from workbench.models import cache
 
 from helpers import real_model
@@ -37,7 +38,7 @@ def smollm2(tmp_path_factory):
     when it is set, else in a session folder; the planted temporary folders are removed after."""
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
-    root = None if os.environ.get(cache.CACHE_ENV) else tmp_path_factory.mktemp("cache")
+    root = None if os.environ.get(CACHE_ENV) else tmp_path_factory.mktemp("cache")
     prepared = real_model.prepare(root)
     print(f"SmolLM2 folder {prepared.folder}: {prepared.seconds:.1f} s "
           f"({'converted' if prepared.converted else 'cached'})")

@@ -8,8 +8,7 @@ renamed into place in one step: a folder at the final name is complete by constr
 ``ready`` also asks for its manifest. A temporary folder untouched for an hour is a dead
 conversion; the next conversion removes it (a younger one may be another process's live one).
 
-The cache root is the one the stdlib corpus uses (``kernels_runtime.data.corpus``), named here
-again because importing that module would import torch on the notebook side.
+The cache root is the one the stdlib corpus uses (``kernels_runtime.user_cache``).
 """
 
 from __future__ import annotations
@@ -24,8 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-CACHE_ENV = "WORKBENCH_CACHE_DIR"
-DEFAULT_CACHE = Path("~/.cache/colossal-workbench")
+from kernels_runtime.user_cache import cache_root
+
 MANIFEST = "manifest.json"
 FORMAT = 1  # bumped when a conversion changes, so older folders are converted again
 STALE_S = 3600.0
@@ -34,8 +33,7 @@ STALE_S = 3600.0
 def model_dir(name: str, cache_dir: str | Path | None = None) -> Path:
     """``<cache>/models/<name>``: the cache is ``cache_dir``, else ``$WORKBENCH_CACHE_DIR``,
     else ``~/.cache/colossal-workbench``."""
-    base = Path(cache_dir or os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
-    return base / "models" / name
+    return cache_root(cache_dir) / "models" / name
 
 
 def read_manifest(folder: Path) -> dict[str, Any] | None:

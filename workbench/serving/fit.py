@@ -59,8 +59,7 @@ def requested(plan_text: str | None, pool_size: int | None,
         return None, pool_size
     plan = Plan.parse(plan_text)
     if pool_size is None:
-        plan = replace(plan, dp=plan.dp or 1)
-        pool_size = plan.dp * plan.tp * plan.pp * plan.sp
+        plan, pool_size = replace(plan, dp=plan.dp or 1), plan.ranks
     return checked(plan, pool_size, config), pool_size
 
 
