@@ -70,6 +70,7 @@ test-install: $(STAMP)
 
 test-report:
 	$(BIN)/python -m tests.report
+	-$(BIN)/python -m tests.conformance.report  # the conformance matrix of test and test-full
 
 bench: $(STAMP)
 	$(BIN)/python -m bench all

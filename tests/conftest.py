@@ -49,6 +49,28 @@ def shell():
 
 
 @pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted once per session (``helpers/real_model.py``), in
+    ``$WORKBENCH_CACHE_DIR`` when it is set, else in a session folder; the planted temporary
+    folders are removed after."""
+    import shutil
+
+    from kernels_runtime.user_cache import CACHE_ENV
+
+    from helpers import real_model
+
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    root = None if os.environ.get(CACHE_ENV) else tmp_path_factory.mktemp("cache")
+    prepared = real_model.prepare(root)
+    print(f"SmolLM2 folder {prepared.folder}: {prepared.seconds:.1f} s "
+          f"({'converted' if prepared.converted else 'cached'})")
+    yield prepared
+    for planted in (prepared.dead, prepared.live):
+        shutil.rmtree(planted, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
 def trained(tmp_path_factory):
     """Tiny GPT-2 and LLaMA trained for 200 steps (``helpers/inference.py``): ``trained[kind]``
     is a weight file, trained on first use (most tests need only GPT-2)."""

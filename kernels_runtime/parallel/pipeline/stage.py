@@ -11,8 +11,10 @@ stage's:
   and checkpoints are the same as in one process; during a chunk's forward it holds only that
   chunk's blocks (``StageBlocks.running``);
 - on a rank without the first stage, the modules before the blocks that hold parameters (token
-  and position embeddings) become ``ZeroEmbedding``s of the right shape, and a pre-hook on the
-  chunk's first block replaces its input with the activation received from the previous stage;
+  and position embeddings) become ``ZeroEmbedding``s of the right shape (a composite embedding
+  module keeps its code with its parameters hollowed into zeros, ``hollow``), and a pre-hook on
+  the chunk's first block replaces its input with the activation received from the previous
+  stage;
 - on a rank without the last stage, the modules after the blocks (final norm, heads) become
   ``DroppedModule``s, and a hook on the chunk's last block ends the forward there by raising
   ``StageExit`` with that block's output, which the executor sends on.
@@ -158,12 +160,32 @@ def stub_before(model: nn.Module, paths: list[str], keep: dict[int, nn.Parameter
     for path in paths:
         module = model.get_submodule(path)
         weight = getattr(module, "weight", None)
-        if weight is None or not any(True for _ in module.parameters()):
+        if not any(True for _ in module.parameters()):
             continue
-        tied = keep.get(id(weight))
-        _set(model, path, ZeroEmbedding(int(weight.shape[-1]), dtype, tied))
+        if isinstance(weight, nn.Parameter):
+            tied = keep.get(id(weight))
+            _set(model, path, ZeroEmbedding(int(weight.shape[-1]), dtype, tied))
+        else:
+            hollow(module, keep, dtype)
         replaced.append(path)
     return replaced
+
+
+def hollow(module: nn.Module, keep: dict[int, nn.Parameter], dtype: torch.dtype) -> None:
+    """Turn the parameters of a composite embedding (BERT's word, position and token-type
+    embeddings with their norm; ViT's patch projection, class token and positions) into zeros
+    that take no memory: non-persistent buffers of one element expanded to the parameter's
+    shape. The module's own forward still runs, so its output has exactly the shape and dtype
+    the model's glue code reads (masks are built from it), and attributes the model reads
+    (``patch_embeddings.projection.weight.dtype``) are still there; the parameters are gone
+    from this stage, as other stages' blocks are. A tied parameter in ``keep`` stays."""
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is None or id(p) in keep:
+                continue
+            del sub._parameters[name]
+            zeros = torch.zeros((), dtype=dtype, device=p.device).expand(p.shape)
+            sub.register_buffer(name, zeros, persistent=False)
 
 
 def drop_after(model: nn.Module, paths: list[str], stage: str) -> list[str]:

@@ -81,7 +81,8 @@ def _is_rms_norm(module: nn.Module) -> bool:
 
 def rebuilt_kind(module: nn.Module, hidden: int | None) -> str | None:
     """What a replicated module inside the grid becomes (``_GridSwapper.replicated``): a new
-    module built from it ("layer_norm", "rms_norm", "embedding", "conv"), its own parameters
+    module built from it ("layer_norm", "rms_norm", "embedding", "conv", "linear": a SUMMA
+    layer, as every linear layer on the grid), its own parameters
     cut in place ("own"), or None (left whole)."""
     if isinstance(module, nn.LayerNorm):
         return "layer_norm"
@@ -91,6 +92,8 @@ def rebuilt_kind(module: nn.Module, hidden: int | None) -> str | None:
         return "embedding"
     if isinstance(module, nn.Conv2d) and module.out_channels == hidden:
         return "conv"
+    if isinstance(module, nn.Linear) and module.in_features == hidden:
+        return "linear"  # a hidden-to-hidden layer the 1D plan replicates (BERT's MLM transform)
     if any(p.shape[-1] == hidden for p in module.parameters(recurse=False)):
         return "own"
     return None
@@ -172,8 +175,8 @@ class _GridSwapper:
             embedding = self.swapped.get(id(old.weight))
             owner = next((m for m in self.model.modules() if isinstance(m, Embedding2D)
                           and m.weight is embedding), None)
-            if owner is not None and getattr(old, "bias", None) is None:
-                new = LMHead2D.tied(owner)
+            if owner is not None:
+                new = LMHead2D.tied(owner, getattr(old, "bias", None))
             else:
                 new = LMHead2D.untied(old.weight, grid, getattr(old, "bias", None))
             new.gather_output = True
@@ -187,6 +190,13 @@ class _GridSwapper:
         """Norms and learned positions inside the grid: their hidden chunk."""
         old, grid = self.model.get_submodule(path), self.grid
         kind = rebuilt_kind(old, self.hidden)
+        if kind in ("layer_norm", "rms_norm") and self.hidden is not None \
+                and old.weight.shape[-1] != self.hidden:
+            # a norm over each head's vector (Qwen3's q/k norms): whole on every rank, whose
+            # batch rows and heads differ, so its gradient is summed over the whole grid
+            self.put(path, old, PartialGradModule(old, grid.comm, grid.tp), {},
+                     "whole, gradient summed over the grid")
+            return
         if kind == "layer_norm":
             weight, w_layout = split_features(old.weight.detach(), grid)
             bias, b_layout = (split_features(old.bias.detach(), grid) if old.bias is not None
@@ -201,6 +211,9 @@ class _GridSwapper:
             new, layouts = ChunkEmbedding(chunk, grid, old.padding_idx), {"weight": layout}
         elif kind == "conv":
             new, layouts = self._conv(old)
+        elif kind == "linear":
+            new = Linear2D.from_full(old.weight, old.bias, grid)
+            layouts = new.layouts
         elif kind == "own":
             new, layouts = self._own_parameters(old)  # ViT's class token and positions
         else:

@@ -114,30 +114,35 @@ class LMHead2D(Linear2D):
         self.vocab_start, self.vocab_held, _ = grid_vocab_range(vocab, grid)
 
     @classmethod
-    def tied(cls, embedding: Embedding2D) -> LMHead2D:
-        """A head on the embedding's own parameter (placement: module docstring)."""
+    def tied(cls, embedding: Embedding2D, bias: torch.Tensor | None = None) -> LMHead2D:
+        """A head on the embedding's own parameter (placement: module docstring), with a
+        whole (V,) ``bias`` of its own when the model has one (BERT's decoder)."""
         head = cls(embedding.weight, embedding.grid, embedding.vocab_size,
                    reduce_depth=embedding.reduce_depth)
         head.layouts = dict(embedding.layouts)
+        head._own_bias(bias)
         return head
 
     @classmethod
     def untied(cls, weight: torch.Tensor, grid: Grid, bias: torch.Tensor | None = None,
                reduce_depth: bool = True) -> LMHead2D:
         """A head of its own from a whole (V, h) weight (and (V,) bias), cut like the
-        embedding; the bias chunk j is padded like the vocabulary."""
+        embedding."""
         local, layout = split_vocab(weight.detach(), grid)
-        vocab = weight.shape[0]
-        local_bias = None
-        if bias is not None:
-            start, held, per = grid_vocab_range(vocab, grid)
-            local_bias = bias.detach().new_zeros(per)
-            local_bias[:held] = bias.detach()[start:start + held]
-        head = cls(local, grid, vocab, local_bias, reduce_depth)
+        head = cls(local, grid, weight.shape[0], None, reduce_depth)
         head.layouts["weight"] = layout
-        if bias is not None:
-            start, held, _ = grid_vocab_range(vocab, grid)
-            blocks = (((0,), (start,), (held,)),) if held else ()
-            head.layouts["bias"] = ParamLayout((vocab,), blocks, layout.sharded,
-                                               chunk_replica(grid))
+        head._own_bias(bias)
         return head
+
+    def _own_bias(self, bias: torch.Tensor | None) -> None:
+        """Chunk j of a whole (V,) bias, padded like the vocabulary, laid out as the weight."""
+        if bias is None:
+            return
+        grid, vocab = self.grid, self.vocab_size
+        start, held, per = grid_vocab_range(vocab, grid)
+        local = bias.detach().new_zeros(per)
+        local[:held] = bias.detach()[start:start + held]
+        self.bias = nn.Parameter(local)
+        blocks = (((0,), (start,), (held,)),) if held else ()
+        self.layouts["bias"] = ParamLayout((vocab,), blocks, self.layouts["weight"].sharded,
+                                           chunk_replica(grid))
