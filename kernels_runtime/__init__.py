@@ -35,6 +35,8 @@ _PUBLIC = {
     "save_model": "kernels_runtime.checkpoint",
     "load_model": "kernels_runtime.checkpoint",
     "export_hf": "kernels_runtime.checkpoint",
+    "load_pretrained": "kernels_runtime.checkpoint.pretrained",
+    "load_pretrained_for_training": "kernels_runtime.checkpoint.pretrained",
     "CheckpointError": "kernels_runtime.checkpoint",
     "get_policy": "kernels_runtime.policies",
     "register_policy": "kernels_runtime.policies",

@@ -84,7 +84,7 @@ def next_token_model(model: nn.Module) -> bool:
         return True
     names = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
     causal = {n for v in names for n in (v if isinstance(v, (list, tuple)) else (v,))}
-    return type(model).__name__ in causal
+    return any(cls.__name__ in causal for cls in type(model).__mro__)  # FSDP2 subclasses it
 
 
 def forward_with_labels(model: nn.Module, batch: Any) -> Any:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import os
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
@@ -114,13 +115,20 @@ class Engine:
                 max_num_seqs: int) -> int:
         if kv_mem is not None:
             return parse_bytes(kv_mem)
-        # default: every sequence at full length, capped at a quarter of the device
+        # default: every sequence at full length, capped at a quarter of the device, or on
+        # the host at a quarter of its available memory shared by the ranks of this host (the
+        # cache is allocated whole: 5.6 GiB per rank for a 135M model's 32 x 4096 tokens)
         per_token = bytes_per_block(shapes, 1, dtype)
         want = max_num_seqs * min(self.max_model_len, 4096) * per_token
         from kernels_runtime.comm.accelerator import Accelerator
 
         total = Accelerator.for_backend(dist.get_backend()).total_memory()
-        return min(want, total // 4) if total else want
+        if total:
+            return min(want, total // 4)
+        import psutil
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        return min(want, psutil.virtual_memory().available // (4 * max(1, local)))
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: Any, params: SamplingParams | None = None,

@@ -37,7 +37,7 @@ from kernels_runtime.memory.tiers import Payload, Tier, TierStore
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.shards import ParamLayout
 from kernels_runtime.parallel.data.zero import sharded_strategy
-from kernels_runtime.policies.deferred import materialize, move_real
+from kernels_runtime.policies.deferred import materialize, move_real, to_be_loaded
 
 
 def _in_backward() -> bool:
@@ -154,7 +154,7 @@ class ChunkGradSync(ChunkGrads, ChunkStep):
         blocks = {id(b) for b in self._blocks}
         modules = list(unit.module.modules()) if id(unit.module) in blocks else [unit.module]
         materialize(self._model, modules, self.ctx.device)
-        if self.dp > 1:
+        if self.dp > 1 and not to_be_loaded(self._model):  # a loader fills every rank alike
             params = [p for m in modules for p in m.parameters(recurse=False)]
             src = dist.get_global_rank(self.ctx.dp_group, 0)
             pending = [self.ctx.comm.broadcast_async(p.data, src=src, group=self.ctx.dp_group)

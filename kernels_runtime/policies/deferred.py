@@ -14,6 +14,11 @@ unit's modules (children first, so a parent's scaled initialization of an output
 wins), else each module's ``reset_parameters()``. A module with meta parameters and neither is
 an error naming it. Across data-parallel ranks the chunk values are broadcast from the first
 rank, as built models' parameters are.
+
+A model ``mark_to_be_loaded`` (``checkpoint.pretrained``) is different: a loader fills every
+piece after ``parallelize`` from a file all ranks read, so under any plan the appliers give
+storage only to what the rank holds (zeros: no initialization, no broadcast), and the data
+applier accepts it without an offloading plan.
 """
 
 from __future__ import annotations
@@ -47,6 +52,30 @@ def has_deferred(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
+_TO_BE_LOADED = "_deferred_to_be_loaded"
+
+
+def mark_to_be_loaded(model: nn.Module) -> None:
+    """Say that a loader fills every parameter of ``model`` after ``parallelize`` (each rank
+    its own pieces, from a file): the appliers then give deferred parameters storage only
+    where this rank holds them, as zeros, with no initialization and no broadcast."""
+    model.__dict__[_TO_BE_LOADED] = True
+
+
+def to_be_loaded(model: nn.Module) -> bool:
+    return bool(model.__dict__.get(_TO_BE_LOADED))
+
+
+def allocate(params: Iterable[nn.Parameter], device: torch.device) -> None:
+    """Zeros in place of each meta parameter (the same ``Parameter`` object, so optimizers,
+    tied modules and layouts keep pointing at it); real ones are left alone."""
+    for p in params:
+        if p.is_meta:
+            real = nn.Parameter(torch.zeros(p.shape, dtype=p.dtype, device=device),
+                                requires_grad=p.requires_grad)
+            torch.utils.swap_tensors(p, real)
+
+
 def move_real(model: nn.Module, device: torch.device) -> None:
     """``model.to(device)`` for whatever has storage: meta parameters stay where they are."""
     for module in model.modules():
@@ -60,17 +89,16 @@ def move_real(model: nn.Module, device: torch.device) -> None:
 
 def materialize(root: nn.Module, modules: Iterable[nn.Module], device: torch.device) -> None:
     """Give storage to the meta parameters owned by ``modules`` and initialize them the way
-    ``root`` initializes itself (see the module docstring)."""
+    ``root`` initializes itself (see the module docstring); a model ``to_be_loaded`` gets
+    zeros, which its loader overwrites."""
     modules = list(modules)
     owners = [m for m in modules if any(p.is_meta for p in m.parameters(recurse=False))]
     if not owners:
         return
-    for m in owners:
-        for p in m.parameters(recurse=False):
-            if p.is_meta:  # the same Parameter object: the optimizer and layouts know it
-                real = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
-                                    requires_grad=p.requires_grad)
-                torch.utils.swap_tensors(p, real)
+    for m in owners:  # the same Parameter objects: the optimizer and layouts know them
+        allocate(m.parameters(recurse=False), device)
+    if to_be_loaded(root):
+        return
     init = getattr(root, "_init_weights", None)
     with torch.no_grad():
         for m in reversed(modules):  # children (registered after their parent) first

@@ -3,8 +3,10 @@
     workbench serve --model DIR [--plan "tp=2"] [--pool-size N] [--port 8000] [--host 127.0.0.1]
                     [--api-key K | --no-api-key] [--kv-mem 256MiB] [--model-name NAME]
 
-The pool starts, every rank loads the model (``from_pretrained``, with the folder's tokenizer
-when it has one) and builds the engine under the plan, and the endpoint serves until SIGINT or
+The pool starts, every rank loads its pieces of the model (``load_pretrained``: a meta model
+filled shard-wise from the safetensors, so a host holds about one copy of the weights, not one
+per rank; ``from_pretrained`` for other formats), with the folder's tokenizer when it has one,
+and builds the engine under the plan, and the endpoint serves until SIGINT or
 SIGTERM, which drain the requests in flight before the pool stops. The same ``Server`` as
 ``%colossal serve``; only who starts it differs. Without ``--plan`` the plan fits the pool
 (``fit.py``); a plan that cannot work is one line on stderr and exit status 2.
@@ -24,16 +26,25 @@ from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from kernels_runtime.checkpoint.pretrained import load_pretrained
 from kernels_runtime.inference import Engine
+from kernels_runtime.inference.plans import inference_plan, inference_problem
+from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.mesh.plan import PlanError
 
 folder = Path({folder!r})
 tokenizer = None
 if any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json",
                                               "vocab.json", "tokenizer.model")):
     tokenizer = AutoTokenizer.from_pretrained(folder)
-model = AutoModelForCausalLM.from_pretrained(folder)
-engine = Engine(model, {plan!r}, comm=comm, tokenizer=tokenizer, kv_mem={kv_mem!r},
-                verbose=False)
+ctx = ParallelContext.build(inference_plan({plan!r}), comm)
+if inference_problem(ctx.plan):
+    raise PlanError(inference_problem(ctx.plan))
+if any(folder.glob("*.safetensors")):  # each rank reads and holds only its pieces
+    model = load_pretrained(folder, ctx=ctx, verbose=False)
+else:  # weights in another format: a whole copy per rank, then the plan cuts it
+    model = AutoModelForCausalLM.from_pretrained(folder)
+engine = Engine(model, ctx=ctx, tokenizer=tokenizer, kv_mem={kv_mem!r}, verbose=False)
 """
 
 

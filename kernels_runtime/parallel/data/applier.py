@@ -21,15 +21,16 @@ from kernels_runtime.parallel.data.fsdp import FsdpGradSync, FsdpState, shard_mo
 from kernels_runtime.parallel.data.replicated import ReplicatedState
 from kernels_runtime.parallel.data.zero import ZeroGradSync, cast_params
 from kernels_runtime.parallel.state import ParallelState
-from kernels_runtime.policies.deferred import has_deferred, move_real
+from kernels_runtime.policies.deferred import allocate, has_deferred, move_real, to_be_loaded
 from kernels_runtime.precision import compute_dtype
 
 
 def check(state: ParallelState, model: nn.Module) -> str | None:
     """Every zero stage runs (``Plan.validate`` checked the rest); deferred parameters (on the
-    meta device) are materialized only by the offload applier, one unit at a time."""
+    meta device) are initialized only by the offload applier, one unit at a time, unless a
+    loader fills them (``to_be_loaded``: storage for what this rank holds, see ``apply``)."""
     offloading = state.ctx.plan.offload != "none"
-    if has_deferred(model) and not offloading:
+    if has_deferred(model) and not offloading and not to_be_loaded(model):
         return ("the model's parameters are on the meta device (built under "
                 "deferred_parameters()): only an offloading plan materializes them, unit by "
                 "unit (e.g. add 'zero=3 offload=auto "
@@ -40,8 +41,10 @@ def check(state: ParallelState, model: nn.Module) -> str | None:
 def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     ctx, plan = state.ctx.fold_sp(), state.ctx.plan  # sp ranks are data replicas here
     move_real(model, ctx.device)  # deferred (meta) parameters are materialized later
-    sync_module_states(model, ctx)
+    sync_module_states(model, ctx)  # meta parameters are skipped: a loader fills every rank
     offloading = plan.offload != "none"
+    if to_be_loaded(model) and not offloading and plan.zero_stage != 3:
+        allocate(model.parameters(), ctx.device)  # held whole under zero 0-2 (FSDP: shards)
     if offloading:
         pass  # the offload applier lays the state out in chunks (kernels_runtime.memory)
     elif plan.zero_stage == 3:

@@ -33,6 +33,7 @@ from kernels_runtime.optim import (
 from kernels_runtime.optim.state import layout_replica, state_views, written_part
 from kernels_runtime.parallel.data.fsdp_comms import record_fsdp_comms
 from kernels_runtime.parallel.data.zero import named_param_groups
+from kernels_runtime.policies.deferred import move_real, to_be_loaded
 from kernels_runtime.precision import compute_dtype
 
 
@@ -42,16 +43,43 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def shard_model(model: nn.Module, blocks: list[nn.Module], ctx: ParallelContext,
                 precision: str) -> nn.Module:
-    """Apply ``fully_shard`` to every block, then to the root, over the dp axis."""
+    """Apply ``fully_shard`` to every block, then to the root, over the dp axis. Deferred
+    (meta) parameters of a model ``to_be_loaded`` are sharded on meta and only this rank's
+    dim-0 shards get storage (``_allocate_shards``)."""
     dtype = compute_dtype(precision)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     mesh = ctx.data_mesh()
-    model.to(ctx.device)
+    move_real(model, ctx.device)  # meta parameters stay meta: fully_shard takes them so
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if to_be_loaded(model):
+        _allocate_shards(model, ctx.device)
     record_fsdp_comms([*blocks, model], ctx.comm)  # telemetry sees ZeRO-3's traffic too
     return model
+
+
+def _allocate_shards(model: nn.Module, device: torch.device) -> None:
+    """Zeros for the local shards of meta parameters, through FSDP2's own ``to_empty`` (it
+    re-pads its shards after). ``to_empty`` also empties buffers and real parameters, which
+    hold computed values (rotary frequencies): they are put back."""
+    buffers = [(m, n, b) for m in model.modules() for n, b in m.named_buffers(recurse=False)]
+    real = [(m, n, p.detach()) for m in model.modules()  # detached: the old storage
+            for n, p in m.named_parameters(recurse=False) if not p.is_meta]
+    meta = {n for n, p in model.named_parameters() if p.is_meta}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for m, n, b in buffers:
+            m._buffers[n] = b
+        for m, n, old in real:
+            p = getattr(m, n)
+            if isinstance(p, DTensor):
+                p.copy_(old)
+            else:
+                p.data = old
+        for n, p in model.named_parameters():
+            if n in meta:
+                _local(p).zero_()
 
 
 class FsdpState:

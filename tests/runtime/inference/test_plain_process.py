@@ -2,8 +2,10 @@
 
 Each case runs in a fresh ``python -c`` (so no torch.distributed group exists, no pool, no
 torchrun): ``Engine(model)`` greedy-decodes the tokens of HF ``generate``, on a private group
-of one rank; ``parallelize(model, opt, "zero=0")`` trains 3 SGD steps with the losses of the
-plain model; a plan needing two ranks is refused with a message saying where ranks come from.
+of one rank; on a CPU host its default KV cache takes at most a quarter of the host's
+memory (it took every sequence at 4096 tokens: 5.6 GiB per rank for SmolLM2-135M);
+``parallelize(model, opt, "zero=0")`` trains 3 SGD steps with the losses of the plain model; a
+plan needing two ranks is refused with a message saying where ranks come from.
 """
 
 from __future__ import annotations
@@ -82,6 +84,24 @@ except RuntimeError as err:
 """
 
 
+KV_DEFAULT = PRELUDE + r"""
+import psutil
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kernels_runtime.inference import Engine
+
+# 64 layers of one 1024-wide key/value head: 512 KiB of cache per token, so the default of
+# 32 sequences x 4096 tokens (64 GiB) is far more than a CPU host can give
+model = LlamaForCausalLM(LlamaConfig(
+    vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=64,
+    num_attention_heads=1, num_key_value_heads=1, head_dim=1024,
+    max_position_embeddings=4096)).eval()
+engine = Engine(model, verbose=False)
+print(json.dumps({"kv_mem": engine.kv_mem, "available": psutil.virtual_memory().available,
+                  "total": psutil.virtual_memory().total}))
+"""
+
+
 def _run(code: str) -> dict:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=240)
@@ -107,3 +127,9 @@ def test_a_plan_of_two_ranks_says_to_start_a_pool_or_use_torchrun():
     assert "needs 2 ranks" in out["error"]
     assert "%colossal start -n 2" in out["error"] and "torchrun" in out["error"]
     assert not out["initialised"]  # refused before any group was made
+
+
+def test_the_default_kv_cache_on_a_cpu_host_takes_a_quarter_of_its_memory_at_most():
+    out = _run(KV_DEFAULT)
+    assert out["total"] < 64 * 2**30, "the model's default wish must exceed this host"
+    assert 0 < out["kv_mem"] <= out["total"] // 4, out
