@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from torch import nn
 
+from kernels_runtime.policies.adapters import adapted_model, adapter_policy
 from kernels_runtime.policies.base import CONFIG_KEYS, ModelConfig, Policy
 from kernels_runtime.policies.generic import GenericPolicy
 from kernels_runtime.policies.hf import HF_POLICIES, HFPolicy
 from kernels_runtime.policies.resolve import (
     ResolvedLayout,
     find_module,
+    is_lora_layer,
     resolve,
     tied_parameters,
 )
@@ -45,9 +47,11 @@ __all__ = [
     "PositionSpec",
     "ResolvedLayout",
     "Rule",
+    "adapted_model",
     "available_policies",
     "find_module",
     "get_policy",
+    "is_lora_layer",
     "register_policy",
     "resolve",
     "tied_parameters",
@@ -58,10 +62,14 @@ _policies: list[Policy] = list(HF_POLICIES)  # tried in order; _GENERIC always f
 
 
 def get_policy(model: nn.Module) -> Policy:
-    """The first registered policy that matches ``model``; the generic policy if none does."""
+    """The first registered policy that matches ``model``; the generic policy if none does.
+    A peft wrapper no policy matches gets the policy of the model inside it, seen through."""
     for policy in _policies:
         if policy.matches(model):
             return policy
+    found = adapted_model(model)
+    if found is not None:
+        return adapter_policy(model, get_policy(found[1]))
     return _GENERIC
 
 

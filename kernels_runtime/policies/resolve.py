@@ -6,7 +6,8 @@ attaches each rule to the parameters its module holds directly. A parameter no r
 two rules name differently, is reported (``uncovered``, ``conflicts``), so a policy that does
 not fit a model says so instead of leaving a weight whole by accident. Tied parameters (an LM
 head sharing the embedding's weight) appear once, under the name ``named_parameters`` gives
-them, with their aliases in ``tied``.
+them, with their aliases in ``tied``. A module peft wrapped in a LoRA layer is still the
+module its rule names: the rule covers the layer's base and adapter factors (``lora_specs``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,36 @@ def tied_parameters(model: nn.Module) -> list[tuple[str, str]]:
             if canonical[id(p)] != n]
 
 
+def is_lora_layer(module: nn.Module) -> bool:
+    """A peft LoRA layer: a frozen ``base_layer`` plus ``lora_A`` / ``lora_B`` factor dicts
+    (duck-typed: peft is optional)."""
+    return (isinstance(getattr(module, "base_layer", None), nn.Module)
+            and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+            and isinstance(getattr(module, "lora_B", None), nn.ModuleDict))
+
+
+def lora_specs(where: str, layer: nn.Module, rule: Rule, block: int | None,
+               ) -> list[tuple[nn.Parameter, ParamSpec]]:
+    """A rule naming a module that peft wrapped in a LoRA layer covers the layer: its frozen
+    base as the rule says, and the factors of each adapter by the base's split (A of a
+    row-parallel layer by input rows, B of a column-parallel one by output columns, like the
+    base's fused parts and key/value heads; the others whole). Anything else it holds (DoRA
+    magnitudes, embedding factors) stays uncovered: refused, not guessed."""
+    out = [(p, ParamSpec(f"{where}.base_layer", attribute, rule.style, rule.transposed,
+                         rule.fused, block, rule.kv))
+           for attribute, p in layer.base_layer.named_parameters(recurse=False)]
+    split = {"A": rule.style == "row", "B": rule.style == "column"}
+    for factor, factors in (("A", layer.lora_A), ("B", layer.lora_B)):
+        for adapter, module in factors.items():
+            style = ("row" if factor == "A" else "column") if split[factor] else "replicated"
+            for attribute, p in module.named_parameters(recurse=False):
+                out.append((p, ParamSpec(
+                    f"{where}.lora_{factor}.{adapter}", attribute, style, False,
+                    rule.fused if style == "column" else (), block,
+                    rule.kv and style == "column", adapter=factor)))
+    return out
+
+
 def resolve(model: nn.Module, layout: ModelLayout) -> ResolvedLayout:
     out = ResolvedLayout(tied=tied_parameters(model))
     canonical = {id(p): n for n, p in model.named_parameters()}
@@ -72,10 +103,12 @@ def resolve(model: nn.Module, layout: ModelLayout) -> ResolvedLayout:
             return
         path, module = found
         where = f"{prefix}{path}".rstrip(".")
-        for attribute, p in module.named_parameters(recurse=False):
+        specs = (lora_specs(where, module, rule, block) if is_lora_layer(module) else
+                 [(p, ParamSpec(where, attribute, rule.style, rule.transposed, rule.fused,
+                                block, rule.kv))
+                  for attribute, p in module.named_parameters(recurse=False)])
+        for p, spec in specs:
             name = canonical[id(p)]
-            spec = ParamSpec(where, attribute, rule.style, rule.transposed, rule.fused, block,
-                             rule.kv)
             previous = out.specs.get(name)
             if previous is None:
                 out.specs[name] = spec

@@ -105,3 +105,6 @@ class ParamSpec:
     fused: tuple[str, ...] = ()
     block: int | None = None  # index of the block holding it; None outside the blocks
     kv: bool = False  # split by key/value heads (``Rule.kv``)
+    adapter: str = ""  # "A" or "B": a LoRA factor of the layer two modules up (its style
+    # follows the layer's: A of a row-parallel layer splits by input, B of a column-parallel
+    # one by output; ``resolve.lora_specs``), swapped with that layer, never alone

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from conformance.families import FAMILIES, Family, pieces_of, smollm2_folder
 
@@ -41,9 +43,13 @@ def batch_split(plan: str, world: int) -> tuple[int, int]:
     return p.dp, p.microbatches
 
 
-def reference(family: Family, dp: int, microbatches: int) -> dict:
-    """Losses of STEPS steps and the first step's gradient of every parameter, in one process."""
-    model = family.build()
+Wrap = Callable[[Family, nn.Module], nn.Module]  # the built model -> the model trained
+
+
+def reference(family: Family, dp: int, microbatches: int, wrap: Wrap | None = None) -> dict:
+    """Losses of STEPS steps and the first step's gradient of every parameter, in one process
+    (of each parameter given one: ``wrap`` may freeze some, as LoRA does)."""
+    model = family.build() if wrap is None else wrap(family, family.build())
     opt = torch.optim.SGD(model.parameters(), lr=family.lr, momentum=MOMENTUM)
     losses, grads = [], {}
     for step in range(STEPS):
@@ -63,10 +69,11 @@ def reference(family: Family, dp: int, microbatches: int) -> dict:
 
 
 def train_on_rank(rank: int, world: int, family_name: str, plan: str,
-                  smollm2: str | None = None) -> dict:
+                  smollm2: str | None = None, wrap: Wrap | None = None) -> dict:
     """The rank's side: parallelize, STEPS train_steps on its pieces, the first step's
-    gradient pieces it writes. A plan refused by ``parallelize``, or a batch it cannot split
-    refused by the first step, returns its message."""
+    gradient pieces it writes, and the frozen parameters holding a gradient after it (none
+    may). A plan refused by ``parallelize``, or a batch it cannot split refused by the first
+    step, returns its message. ``wrap``: as ``reference``'s, a module-level function."""
     from kernels_runtime import parallelize, train_step
     from kernels_runtime.mesh.plan import PlanError
 
@@ -75,7 +82,7 @@ def train_on_rank(rank: int, world: int, family_name: str, plan: str,
     if smollm2 is not None:  # the cut checkpoint's folder, made by the test session
         smollm2_folder(Path(smollm2))
     family = FAMILIES[family_name]
-    model = family.build()
+    model = family.build() if wrap is None else wrap(family, family.build())
     try:
         ctx = context(plan)
         model, opt = parallelize(model, torch.optim.SGD(model.parameters(), lr=family.lr,
@@ -83,7 +90,7 @@ def train_on_rank(rank: int, world: int, family_name: str, plan: str,
                                  ctx=ctx, verbose=False)
     except (PlanError, ValueError, NotImplementedError) as e:
         return {"refused": f"{type(e).__name__}: {e}"}
-    losses, grads = [], []
+    losses, grads, frozen_grads = [], [], []
     for step in range(STEPS):
         mine = pieces_of(family, step, ctx.dp_size, ctx.plan.microbatches)[ctx.dp_rank]
         try:
@@ -96,7 +103,9 @@ def train_on_rank(rank: int, world: int, family_name: str, plan: str,
             grads = [(p.shard.name, p.shard.offsets, p.shard.sizes,
                       p.values["momentum_buffer"].detach().float().clone())
                      for p in opt.pieces(saving=True) if "momentum_buffer" in p.values]
-    return {"losses": losses, "grads": grads}
+            frozen_grads = [n for n, p in model.named_parameters()
+                            if not p.requires_grad and p.grad is not None]
+    return {"losses": losses, "grads": grads, "frozen_grads": frozen_grads}
 
 
 @dataclass

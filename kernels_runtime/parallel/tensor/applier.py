@@ -1,7 +1,8 @@
 """The tensor-parallel applier (first in ``parallelize``'s order): 1D tensor parallelism by the
 model's policy (``tensor_parallel.py``), or 2D / 2.5D on a grid (``grid_parallel.py``). Its
 ``check`` also refuses a swap that would drop a module attribute (``attributes.py``), before
-any applier changes the model."""
+any applier changes the model, and refuses LoRA adapters (a peft wrapper) where they cannot
+split yet (``lora_refusals``)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from kernels_runtime.parallel.tensor.grid_parallel import (
     grid_replicated,
     on_grid,
 )
+from kernels_runtime.parallel.tensor.lora import refusals as lora_layer_refusals
 from kernels_runtime.parallel.tensor.tensor_parallel import (
     apply_tensor_parallel,
     modules_to_split,
 )
-from kernels_runtime.policies import Policy, find_module
+from kernels_runtime.policies import Policy, ResolvedLayout, find_module, is_lora_layer
 from kernels_runtime.policies.specs import ModelLayout
 
 HOW_TO = ("write a policy for it (kernels_runtime.policies: a ModelLayout with a Rule per "
@@ -30,12 +32,15 @@ def check(state: ParallelState, model: nn.Module) -> str | None:
     if plan.tp == 1:
         return None
     policy = state.policy
+    resolved = policy.resolve(model)
+    adapters = lora_refusals(state, model, resolved)
+    if adapters:
+        return f"tp={plan.tp}: " + "; ".join(adapters)
     layout = policy.model_layout(model)
     if layout is None or layout.extra.get("unreadable"):
         why = layout.extra["unreadable"] if layout is not None else "it has no layout"
         return (f"tp={plan.tp}: the {policy.name} policy cannot split "
                 f"{type(model).__name__} ({why}); {HOW_TO}")
-    resolved = policy.resolve(model)
     if not resolved.complete:
         return f"tp={plan.tp}: the {policy.name} policy does not fit this model: " \
                f"{resolved.problems()}; {HOW_TO}"
@@ -48,6 +53,31 @@ def check(state: ParallelState, model: nn.Module) -> str | None:
     if dropped:
         return f"tp={plan.tp}: " + "; ".join(dropped)
     return None  # head counts against tp: Plan.validate, from the policy's model_config
+
+
+def lora_refusals(state: ParallelState, model: nn.Module, resolved: ResolvedLayout,
+                  ) -> list[str]:
+    """Why the LoRA layers of ``model`` cannot split under this plan (none: they can, or it
+    has none): only 1D tensor parallelism splits them (``lora.py``)."""
+    split = {path.rpartition(".")[0]: specs["weight"]
+             for path, specs in modules_to_split(resolved).items()
+             if path.endswith(".base_layer") and "weight" in specs}
+    layers = {p: model.get_submodule(p) for p in split}
+    layers = {p: m for p, m in layers.items() if is_lora_layer(m)}
+    if not layers:
+        return []
+    plan = state.ctx.plan
+    if plan.tp_mode != "1d":
+        return [f"LoRA adapters under tp_mode={plan.tp_mode} are not supported yet; use "
+                f"tp_mode=1d (e.g. \"tp={plan.tp}\") or data parallelism and ZeRO"]
+    _, kv_heads = state.policy.attention_heads(model)
+    by_reason: dict[str, list[str]] = {}  # one message per reason, not per layer
+    for path, layer in sorted(layers.items()):
+        replicated = bool(split[path].kv and kv_heads and kv_heads % plan.tp)
+        for why in lora_layer_refusals(layer, split[path], replicated):
+            by_reason.setdefault(why, []).append(path)
+    return [f"{paths[0]}{f' and {len(paths) - 1} more LoRA layers' if len(paths) > 1 else ''}"
+            f": {why}" for why, paths in by_reason.items()]
 
 
 def _grid_paths(model: nn.Module, layout: ModelLayout,

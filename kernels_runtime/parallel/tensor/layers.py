@@ -60,7 +60,7 @@ class SharedEntry:
         self._source, self._out = None, None
 
 
-def _enter(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def enter_column(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The input of a column-parallel layer: replicated (1D) or gathered along the sequence."""
     if layer.input_gathered:
         return x
@@ -91,7 +91,7 @@ class ColumnParallelLinear(nn.Module):
         return _matmul(x, self.weight, self.transposed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _enter(self, x)  # (b, s, in), replicated
+        x = enter_column(self, x)  # (b, s, in), replicated
         y = self.project(x)  # (b, s, out/tp)
         if self.bias is not None:
             y = y + self.bias
@@ -119,7 +119,7 @@ class ReplicatedHeadsLinear(nn.Module):
         self.input_gathered = False  # gathered by the enclosing module (sequence parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _enter(self, x)  # (b, s, in), replicated
+        x = enter_column(self, x)  # (b, s, in), replicated
         weight = copy_to_group(self.weight, self.comm, self.group).narrow(0, self.start,
                                                                           self.width)
         y = x @ weight.t()  # (b, s, d): one key/value head
@@ -168,7 +168,11 @@ class RowParallelLinear(nn.Module):
         return _matmul(x, self.weight, self.transposed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = self.project(x)  # (b, s, out), this rank's share
+        return self.reduce(self.project(x))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum over tp of this rank's share (b, s, out), then the bias once (a LoRA
+        adapter adds its own share first: ``lora.py``)."""
         if not self.scatter_output:
             y = reduce_from_group(partial, self.comm, self.group)  # (b, s, out)
             return y + self.bias if self.bias is not None else y

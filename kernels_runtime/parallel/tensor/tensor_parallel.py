@@ -42,8 +42,9 @@ from kernels_runtime.parallel.tensor.layers import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
+from kernels_runtime.parallel.tensor.lora import is_split_lora, split_lora
 from kernels_runtime.parallel.tensor.sharding import split_dim, split_vocab, vocab_range
-from kernels_runtime.policies import ParamSpec, ResolvedLayout, find_module
+from kernels_runtime.policies import ParamSpec, ResolvedLayout, find_module, is_lora_layer
 from kernels_runtime.policies.specs import AttentionSpec
 
 SPLIT = ("column", "row", "vocab")
@@ -71,6 +72,9 @@ class _Swapper:
 
     def swap(self, path: str, specs: dict[str, ParamSpec]) -> None:
         old = self.model.get_submodule(path)
+        holder, name = parent_of(self.model, path)
+        if name == "base_layer" and is_lora_layer(holder):
+            return self._lora(path.rpartition(".")[0], holder, specs["weight"])
         style = specs["weight"].style
         if style == "vocab" and isinstance(old, nn.Embedding):
             new, layouts = self._embedding(old)
@@ -91,9 +95,16 @@ class _Swapper:
         """Map each of ``old``'s own parameters to its replacement in ``new``."""
         for attribute, tensor in old.named_parameters(recurse=False):
             replacement = getattr(new, attribute, None)
-            if isinstance(replacement, nn.Parameter) and id(tensor) not in self.swapped:
-                self.swapped[id(tensor)] = replacement
-                self._old.append(tensor)
+            if isinstance(replacement, nn.Parameter):
+                self._map(tensor, replacement)
+
+    def _map(self, tensor: torch.Tensor, replacement: nn.Parameter) -> None:
+        """``replacement`` stands for ``tensor`` and trains only if it did (a frozen base
+        stays frozen under its LoRA adapters)."""
+        if replacement is not tensor and id(tensor) not in self.swapped:
+            replacement.requires_grad_(tensor.requires_grad)
+            self.swapped[id(tensor)] = replacement
+            self._old.append(tensor)
 
     def retie(self) -> None:
         """Point every remaining alias of a replaced parameter (a module that only shares it,
@@ -159,6 +170,22 @@ class _Swapper:
         self._remember(new, old)
         return new, {"weight": layout}
 
+    def _lora(self, path: str, layer: nn.Module, spec: ParamSpec) -> None:
+        """A peft LoRA layer: its base split by ``spec``, its factors to match (``lora.py``)."""
+        old_params = dict(layer.named_parameters())  # the factors are changed in place
+        split = self._column if spec.style == "column" else self._row
+        base, layouts = split(layer.base_layer, spec)
+        factor_layouts = split_lora(layer, base, spec, self.rank, self.tp, self.comm,
+                                    self.group)
+        for attribute, layout in layouts.items():
+            self.layouts[f"{path}.base_layer.{attribute}"] = layout
+        for attribute, layout in factor_layouts.items():
+            self.layouts[f"{path}.{attribute}"] = layout
+        for attribute, tensor in old_params.items():
+            self._map(tensor, layer.get_parameter(attribute))
+        self.replaced.append((path, f"LoRA {type(layer).__name__} over {type(base).__name__} "
+                                    f"({spec.style}; adapters split to match)"))
+
     def _tie(self, new: nn.Module, old: nn.Module, attribute: str) -> None:
         previous = self.swapped.get(id(getattr(old, attribute)))
         if previous is not None:
@@ -170,7 +197,7 @@ def modules_to_split(resolved: ResolvedLayout) -> dict[str, dict[str, ParamSpec]
     included (swapped too, onto the same tensor)."""
     by_module: dict[str, dict[str, ParamSpec]] = defaultdict(dict)
     for spec in resolved.specs.values():
-        if spec.style in SPLIT:
+        if spec.style in SPLIT and not spec.adapter:  # factors: swapped with their layer
             by_module[spec.module][spec.attribute] = spec
     for alias, canonical in resolved.tied:  # a tied head is swapped too, onto the same tensor
         spec = resolved.specs.get(canonical)
@@ -229,13 +256,19 @@ TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, ReplicatedHeadsLinear,
              VocabParallelEmbedding, PartialGradModule)
 
 
+def _owns_parts(module: nn.Module) -> bool:
+    return isinstance(module, TP_LAYERS) or is_split_lora(module)
+
+
 def wrap_partial_modules(root: nn.Module, comm, group) -> list[str]:
     """Wrap every replicated module with parameters under ``root`` (not a tensor-parallel
     layer) in a ``PartialGradModule``: its input differs across tp (this rank's heads or
     tokens), so its gradient is summed over tp. Returns their paths under ``root``."""
-    wrapped = []
+    wrapped, inside = [], []  # inside: paths of tensor-parallel layers, whose parts they own
     for path, module in list(root.named_modules()):
-        if not path or isinstance(module, TP_LAYERS) or not any(
+        if _owns_parts(module):
+            inside.append(path + ".")
+        if not path or _owns_parts(module) or path.startswith(tuple(inside)) or not any(
                 True for _ in module.parameters(recurse=False)):
             continue
         if any(any(True for _ in child.parameters()) for child in module.children()):
