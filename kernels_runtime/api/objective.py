@@ -22,6 +22,7 @@ Two objectives for ``(input_ids, labels)`` batches or dicts of model inputs with
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -77,14 +78,21 @@ def next_token_model(model: nn.Module) -> bool:
     or a classifier computes another loss from its labels."""
     try:
         from transformers import PreTrainedModel
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except ImportError:
         return True
     if not isinstance(model, PreTrainedModel):
         return True
-    names = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-    causal = {n for v in names for n in (v if isinstance(v, (list, tuple)) else (v,))}
+    causal = _causal_lm_classes()
     return any(cls.__name__ in causal for cls in type(model).__mro__)  # FSDP2 subclasses it
+
+
+@functools.cache
+def _causal_lm_classes() -> frozenset[str]:
+    """transformers' causal-LM class names, read once (asked on every micro-batch)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    return frozenset(n for v in names for n in (v if isinstance(v, (list, tuple)) else (v,)))
 
 
 def forward_with_labels(model: nn.Module, batch: Any) -> Any:
