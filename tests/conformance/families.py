@@ -14,7 +14,8 @@ checkpoint, cut to its first two blocks (``smollm2_folder``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,6 +129,18 @@ def smollm2_folder(folder: Path | None = None) -> Path:
     if not _SMOLLM2:
         raise RuntimeError("the SmolLM2 conformance checkpoint was not prepared")
     return _SMOLLM2[0]
+
+
+@contextlib.contextmanager
+def using_smollm2(folder: Path | str) -> Iterator[None]:
+    """SmolLM2's family built from ``folder`` in this process for the block's duration (a
+    deeper cut than the session's), then whatever was set before."""
+    before = list(_SMOLLM2)
+    _SMOLLM2[:] = [Path(folder)]
+    try:
+        yield
+    finally:
+        _SMOLLM2[:] = before
 
 
 def cut_smollm2(full: Path, out: Path, blocks: int = 2) -> Path:

@@ -46,13 +46,14 @@ def batch_split(plan: str, world: int) -> tuple[int, int]:
 Wrap = Callable[[Family, nn.Module], nn.Module]  # the built model -> the model trained
 
 
-def reference(family: Family, dp: int, microbatches: int, wrap: Wrap | None = None) -> dict:
-    """Losses of STEPS steps and the first step's gradient of every parameter, in one process
-    (of each parameter given one: ``wrap`` may freeze some, as LoRA does)."""
+def reference(family: Family, dp: int, microbatches: int, wrap: Wrap | None = None,
+              steps: int = STEPS) -> dict:
+    """Losses of ``steps`` steps and the first step's gradient of every parameter, in one
+    process (of each parameter given one: ``wrap`` may freeze some, as LoRA does)."""
     model = family.build() if wrap is None else wrap(family, family.build())
     opt = torch.optim.SGD(model.parameters(), lr=family.lr, momentum=MOMENTUM)
     losses, grads = [], {}
-    for step in range(STEPS):
+    for step in range(steps):
         parts = [mb for rank in pieces_of(family, step, dp, microbatches) for mb in rank]
         total = 0.0
         for batch in parts:
@@ -69,8 +70,9 @@ def reference(family: Family, dp: int, microbatches: int, wrap: Wrap | None = No
 
 
 def train_on_rank(rank: int, world: int, family_name: str, plan: str,
-                  smollm2: str | None = None, wrap: Wrap | None = None) -> dict:
-    """The rank's side: parallelize, STEPS train_steps on its pieces, the first step's
+                  smollm2: str | None = None, wrap: Wrap | None = None,
+                  steps: int = STEPS) -> dict:
+    """The rank's side: parallelize, ``steps`` train_steps on its pieces, the first step's
     gradient pieces it writes, and the frozen parameters holding a gradient after it (none
     may). A plan refused by ``parallelize``, or a batch it cannot split refused by the first
     step, returns its message. ``wrap``: as ``reference``'s, a module-level function."""
@@ -91,7 +93,7 @@ def train_on_rank(rank: int, world: int, family_name: str, plan: str,
     except (PlanError, ValueError, NotImplementedError) as e:
         return {"refused": f"{type(e).__name__}: {e}"}
     losses, grads, frozen_grads = [], [], []
-    for step in range(STEPS):
+    for step in range(steps):
         mine = pieces_of(family, step, ctx.dp_size, ctx.plan.microbatches)[ctx.dp_rank]
         try:
             losses.append(train_step(model, opt, mine).loss)

@@ -37,6 +37,19 @@ def with_lora(family: Family, model: nn.Module, extra: tuple[str, ...] = (),
     return get_peft_model(model, config).eval()
 
 
+def with_near_zero_lora(family: Family, model: nn.Module) -> nn.Module:
+    """``with_lora`` with each B scaled down 100-fold: the model starts near its pretrained
+    self, as a fine-tune does (peft's B starts at zero), yet A's first gradient is not zero.
+    With B at full random size the real model's loss jumps to ~37 and five steps at its
+    learning rate turn chaotic, where rounding differences of a split grow past 1e-5."""
+    model = with_lora(family, model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.mul_(0.01)
+    return model
+
+
 def with_dora(family: Family, model: nn.Module) -> nn.Module:
     """A LoRA variant tensor parallelism does not split (DoRA's magnitude vectors)."""
     return with_lora(family, model, use_dora=True)
