@@ -23,12 +23,17 @@ from kernels_runtime.checkpoint.reader import CheckpointReader
 
 
 def export_hf(
-    checkpoint: str | os.PathLike, model: nn.Module, out_dir: str | os.PathLike
+    checkpoint: str | os.PathLike, model: nn.Module, out_dir: str | os.PathLike, *,
+    merged: bool = False,
 ) -> Path:
     """Write the weights of ``checkpoint`` (a checkpoint directory, meaning its ``latest``, or
     one step folder) through ``model`` into ``out_dir``; return ``out_dir``.
 
-    ``model`` ends up holding the checkpoint's weights, in its own dtypes.
+    ``model`` ends up holding the checkpoint's weights, in its own dtypes. For a peft model the
+    folder is peft's adapter folder (what ``PeftModel.from_pretrained`` loads over the base);
+    with ``merged`` the adapters are folded into the base weights instead
+    (``merge_and_unload``) and the folder is an ordinary ``save_pretrained`` model that any
+    runtime loads without peft (``model`` is then the base with the adapters merged).
     """
     step_dir = fmt.resolve_step_dir(checkpoint, None)
     meta = fmt.read_meta(step_dir)
@@ -39,6 +44,12 @@ def export_hf(
     _load_weights(model, weights)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if merged:
+        if not hasattr(model, "merge_and_unload"):
+            raise CheckpointError(f"export_hf(..., merged=True) merges LoRA adapters, but "
+                                  f"{type(model).__name__} has none (it is not a peft model); "
+                                  "export it without merged=True")
+        model = model.merge_and_unload()
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(str(out))
     else:

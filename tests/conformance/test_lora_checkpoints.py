@@ -6,7 +6,9 @@ trained two SGD steps under ``tp=3`` (its 3 key/value heads one per rank) and sa
 ``save``, is exported by ``export_hf`` through a plain ``PeftModel`` as peft's adapter folder
 (``adapter_config.json``, ``adapter_model.safetensors``, no base weights), which
 ``PeftModel.from_pretrained`` loads over the base model in one process with the logits of the
-same two steps trained in one process by peft (1e-5); and the tp=3 checkpoint resumes under
+same two steps trained in one process by peft (1e-5); with ``merged=True`` it writes the base
+with the adapters folded in, an ordinary checkpoint transformers loads without peft, with the
+same logits (1e-5); and the tp=3 checkpoint resumes under
 ``dp=2 zero=2`` with the losses of an uninterrupted single-process run (1e-5), its data split
 per step as each plan splits it.
 """
@@ -75,6 +77,7 @@ def _relative(got: list[float], want: list[float]) -> float:
 
 def test_a_tp3_adapter_exports_to_peft_and_resumes_under_zero2(ranks, smollm2_cut, tmp_path):
     from peft import PeftModel
+    from transformers import AutoModelForCausalLM
 
     from kernels_runtime import export_hf
 
@@ -98,6 +101,15 @@ def test_a_tp3_adapter_exports_to_peft_and_resumes_under_zero2(ranks, smollm2_cu
     assert rel < 1e-5, f"exported adapter's logits differ by {rel:.2e}"
     moved = ((before - ref).norm() / ref.norm()).item()
     assert moved > 100 * 1e-5, f"two steps moved the logits by {moved:.1e} only"
+
+    merged = export_hf(ckpt, with_lora(FAMILY, FAMILY.build()), tmp_path / "merged",
+                       merged=True)
+    assert "model.safetensors" in {p.name for p in merged.iterdir()}
+    plain = AutoModelForCausalLM.from_pretrained(merged).eval()  # no peft: the merged base
+    assert not any("lora_" in n for n, _ in plain.named_parameters())
+    with torch.no_grad():
+        rel = ((plain(**batch).logits - ref).norm() / ref.norm()).item()
+    assert rel < 1e-5, f"the merged export's logits differ by {rel:.2e}"
 
     resumed = ranks(2).run(_train_on_rank, "dp=2 zero=2", folder, ckpt, range(2, 4), True,
                            timeout_s=300)[0]
