@@ -7,8 +7,9 @@ wrapped in random rank-8 adapters on all seven projections with B near zero
 and its first-step gradient of every adapter parameter (1e-5 relative L2, assembled from the
 pieces each rank writes); no frozen parameter holds a gradient after backward. The plans:
 data parallelism at each ZeRO stage, tp=3 (its 9 heads over 3 key/value heads split three
-ways), dp=2 x tp=3, a two-stage pipeline, ring sequence parallelism, and every model state
-offloaded to the host and, beyond a zero host budget, to disk. GPT-2 and BERT configs run the
+ways), dp=2 x tp=3, a two-stage pipeline (1F1B, interleaved, zero-bubble V), ring sequence
+parallelism, and every model state offloaded to the host and, beyond a zero host budget, to
+disk. GPT-2 and BERT configs run the
 same five steps under tp=2.
 
 The two-block cells of ``test_lora.py`` cover the families and plans broadly at three steps;
@@ -34,6 +35,8 @@ CASES: list[tuple[str, str, int]] = [
     ("smollm2", "tp=3", 3),
     ("smollm2", "dp=2 tp=3", 6),
     ("smollm2", "pp=2 mb=2", 2),
+    ("smollm2", "pp=2 pp_schedule=interleaved pp_chunks=2 mb=2", 2),  # four blocks: two chunks
+    ("smollm2", "pp=2 pp_schedule=zbv mb=2", 2),  # each rank's gradient for weights apart
     ("smollm2", "sp=2 sp_mode=ring", 2),
     ("smollm2", f"dp=2 zero=2 {OFFLOAD}", 2),  # the frozen base on the host
     ("smollm2", f"dp=2 zero=2 {OFFLOAD} host_mem=0", 2),  # ... and on disk
