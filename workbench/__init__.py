@@ -30,10 +30,12 @@ def tune(model: Any, **options: Any) -> Any:
 
 def load_ipython_extension(ip: Any) -> None:
     """``%load_ext workbench``: register ``%colossal`` and ``%%colossal``."""
-    from workbench.magics import ColossalMagics
+    from workbench.magic_completion import register
+    from workbench.magics import ColossalMagics, parsers
 
     if "ColossalMagics" not in ip.magics_manager.registry:
         ip.register_magics(ColossalMagics(ip))
+        register(ip, *parsers())
 
 
 def unload_ipython_extension(ip: Any) -> None:

@@ -141,8 +141,12 @@ class ColossalMagics(Magics):
         %%colossal [--plan P] [--targets 0,1] [--output rank0|all] [--push a] [--pull b]
                    [--dashboard | --no-dashboard] [--timeout S]
         """
+        words = line.split()
+        if "--help" in words or "-h" in words:
+            print(_help(cell is not None, words[:1] == ["serve"]))
+            return None
         if cell is None:
-            if line.split()[:1] == ["serve"]:
+            if words[:1] == ["serve"]:
                 return serve_command(self, line)
             return self._pool_command(line)
         guard_cell(self)
@@ -273,6 +277,41 @@ class ColossalMagics(Magics):
             self._sent_plan = key
 
 
+def parsers() -> tuple[Any, Any, Any]:
+    """The (pool, cell, serve) argument parsers, named as the user types them."""
+    from workbench.serving.magic import _parser as serve_parser
+
+    pool, cell = ColossalMagics._pool_parser.parser, ColossalMagics._cell_parser.parser
+    pool.prog, cell.prog = "colossal", "%colossal"  # IPython's usage line adds one "%"
+    return pool, cell, serve_parser()
+
+
+def _help(cell: bool, serve: bool) -> str:
+    pool_parser, cell_parser, serve_parser = parsers()
+    return _plain((cell_parser if cell else serve_parser if serve else pool_parser).format_help())
+
+
+def _plain(text: str) -> str:
+    """argparse's help without IPython's reStructuredText literal-block marker."""
+    return text.replace("::\n\n  %", "usage: %", 1)
+
+
+_OVERVIEW = """Run PyTorch on a pool of ranks from this notebook.
+
+%colossal start -n 2                 start a pool (one rank per GPU by default, else 2 CPU ranks)
+%colossal status | stop | restart    the pool's ranks; stop it; restart it after a failure
+%%colossal --plan "dp=2 zero=1"      run the cell on every rank under a parallel plan
+%colossal serve ENGINE               an OpenAI-compatible endpoint for an engine on the ranks
+%colossal serve --status | --stop    the endpoint's requests and queue; stop it
+Add --help to any of them for its options alone. Every option:
+"""
+
+
+def full_help() -> str:
+    """``%colossal?``: what the magic does, then every option of its three forms."""
+    return "\n".join([_OVERVIEW, *(_plain(p.format_help()) for p in parsers())])
+
+
 def _progress(note: str) -> None:
     print(f"colossal: waiting: {note}", flush=True)
 
@@ -307,3 +346,6 @@ def active_pool(shell: Any = None) -> Pool | None:
     """The pool driven by ``%colossal`` in this IPython session, if any."""
     magics = active_magics(shell)
     return magics.pool if magics else None
+
+
+ColossalMagics.colossal.__doc__ = full_help()

@@ -10,6 +10,7 @@ This module has no torch import: the notebook side parses and validates plans wi
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -86,17 +87,18 @@ class Plan:
             key = key.strip().lower().replace("-", "_")
             if not sep:
                 if key not in _FLAGS:
+                    near = difflib.get_close_matches(key, sorted(_FLAGS), n=2, cutoff=0.6)
+                    hint = f"did you mean {' or '.join(near)}? " if near else ""
                     raise PlanError(
-                        f"plan item {item!r} is not understood: write key=value (e.g. dp=2) or a "
-                        f"flag ({', '.join(sorted(_FLAGS))})"
+                        f"plan item {item!r} is not understood: {hint}write key=value (e.g. "
+                        f"dp=2) or a flag ({', '.join(sorted(_FLAGS))})"
                     )
                 field_name, value = _FLAGS[key]
                 values[field_name] = value
                 continue
             field_name = _ALIASES.get(key, key)
             if field_name not in names:
-                known = ", ".join(sorted(set(names) | set(_ALIASES)))
-                raise PlanError(f"plan key {key!r} is unknown; known keys: {known}")
+                raise PlanError(_unknown_key(key, sorted(set(names) | set(_ALIASES))))
             values[field_name] = _convert(field_name, raw.strip())
         return cls(**values)
 
@@ -170,3 +172,17 @@ def _convert(name: str, raw: str) -> Any:
         except ValueError:
             raise PlanError(f"{name}={raw!r} is not an integer (e.g. {name}=2)") from None
     return raw.lower()
+
+
+def plan_keys() -> list[str]:
+    """Every key a plan string accepts (fields and their short aliases), sorted: for messages
+    and the notebook's tab completion."""
+    return sorted({f.name for f in fields(Plan)} | set(_ALIASES))
+
+
+def _unknown_key(key: str, known: list[str]) -> str:
+    """The message for a key no plan has: the nearest keys first (a typo is the usual cause),
+    then every key."""
+    near = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(repr(k) for k in near)}? " if near else ""
+    return f"plan key {key!r} is unknown; {hint}known keys: {', '.join(known)}"

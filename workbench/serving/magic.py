@@ -33,17 +33,22 @@ from workbench.serving.server import Server
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="%colossal serve", add_help=False, exit_on_error=False)
-    p.add_argument("engine", nargs="?", default=None)
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("engine", nargs="?", default=None,
+                   help="the rank variable holding the Engine, built in a %%%%colossal cell")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; anything but loopback exposes the endpoint")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--no-api-key", action="store_true")
+    p.add_argument("--api-key", default=None,
+                   help="the Bearer token clients must send (default: a new one, in a key "
+                        "file read by workbench.serving.api_key())")
+    p.add_argument("--no-api-key", action="store_true",
+                   help="accept requests without a token")
     p.add_argument("--model", default=None, help="the model id clients name (default ENGINE)")
     p.add_argument("--no-dashboard", action="store_true",
                    help="no live dashboard under the cell (the lab still shows the endpoint)")
-    p.add_argument("--stop", action="store_true")
-    p.add_argument("--status", action="store_true")
+    p.add_argument("--stop", action="store_true", help="stop the endpoint")
+    p.add_argument("--status", action="store_true",
+                   help="the endpoint, its requests and the engines' queue")
     return p
 
 

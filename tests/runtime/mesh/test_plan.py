@@ -62,6 +62,9 @@ def test_invalid_plans_name_the_field_and_a_fix(text, world, config, message):
     ("banana", "not understood"),
     ("speed=11", "unknown"),
     ("ckpt=maybe", "on or off"),
+    ("zer=2", "plan key 'zer' is unknown; did you mean 'zero'\\? known keys: "),
+    ("tp_mod=2d", "did you mean 'tp_mode'"),
+    ("bf1", "not understood: did you mean bf16\\?"),
 ])
 def test_unparseable_plan_strings(text, message):
     with pytest.raises(PlanError, match=message):
