@@ -95,6 +95,7 @@ class RankSession:
             rank, world_size, master_addr, master_port, backend, timeout_s, local_rank
         )
         _share_cores(state, local_world_size)
+        export_environment(state, master_port, local_world_size)
         return cls(state=state, comm=Collectives(CommStats(), timeout_s=timeout_s))
 
     @classmethod
@@ -128,6 +129,8 @@ class RankSession:
         self.state = init_distributed(
             s.rank, s.world_size, s.master_addr, master_port, s.backend, s.timeout_s, s.local_rank
         )
+        export_environment(self.state, master_port,
+                           int(os.environ.get("LOCAL_WORLD_SIZE", s.world_size)))
         self.comm.timeout_s = s.timeout_s
         self.broken = False
 
@@ -150,6 +153,19 @@ class RankSession:
             "memory": acc.memory_in_use(),
             "comm": self.comm.stats.totals(),
         }
+
+
+def export_environment(state: DistributedState, master_port: int,
+                       local_world_size: int) -> None:
+    """torchrun's variables for this rank's group, so code written for torchrun (HF
+    ``Trainer``, ``accelerate``, Lightning) run in a cell finds the pool's group: these
+    libraries read ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` to decide they are distributed, and
+    use the default group that already exists instead of creating a second one."""
+    os.environ.update({
+        "RANK": str(state.rank), "WORLD_SIZE": str(state.world_size),
+        "LOCAL_RANK": str(state.local_rank), "LOCAL_WORLD_SIZE": str(local_world_size),
+        "MASTER_ADDR": state.master_addr, "MASTER_PORT": str(master_port),
+    })
 
 
 def _share_cores(state: DistributedState, local_world_size: int) -> None:

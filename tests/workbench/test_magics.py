@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -120,3 +121,75 @@ def test_cell_without_pool_says_how_to_start_one(shell):
 def test_bad_line_command(shell):
     with pytest.raises(UsageError, match="invalid choice"):
         shell.run_line_magic("colossal", "launch")
+
+
+TRAINER_CELL = '''
+import os, tempfile
+import torch, torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers.utils import logging as hf_logging
+
+hf_logging.set_verbosity_error()
+group_before = dist.group.WORLD if dist.is_initialized() else None  # None in one process
+env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                      "MASTER_ADDR", "MASTER_PORT")}
+
+
+class Rows(torch.utils.data.Dataset):  # four equal rows: each step is all four, in any order
+    def __init__(self):
+        self.ids = torch.randint(0, 97, (4, 12), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def trainer_losses(per_device):
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_positions=16, n_embd=32, n_layer=2,
+                                       n_head=4, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
+    args = TrainingArguments(tempfile.mkdtemp(), per_device_train_batch_size=per_device,
+                             max_steps=5, learning_rate=1e-2, logging_steps=1, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=Rows())
+    trainer.train()
+    return args.world_size, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+trainer_world, losses = trainer_losses(per_device=2)
+
+from accelerate import Accelerator
+
+accelerator = Accelerator(cpu=True)
+mine = torch.tensor([float(rank)])
+accelerate_seen = (accelerator.num_processes, accelerator.process_index,
+                   accelerator.gather(mine).tolist())
+same_group = dist.group.WORLD is group_before
+'''
+
+
+def test_hf_trainer_and_accelerate_in_a_cell_use_the_pools_group(shell):
+    """Code written for torchrun runs unchanged in a cell: every rank exports torchrun's
+    variables, so HF ``Trainer`` sees world_size 2 and trains as DDP on the pool's group (its
+    five losses equal one process with the whole batch, 1e-4), ``accelerate`` counts the pool's
+    processes and gathers over them, and neither creates a second default group."""
+    cell(shell, "--pull env,trainer_world,losses,accelerate_seen,same_group", TRAINER_CELL)
+    ns = shell.user_ns
+    env = ns["env"]
+    assert env["RANK"] == "0" and env["WORLD_SIZE"] == "2" and env["LOCAL_RANK"] == "0", env
+    assert env["LOCAL_WORLD_SIZE"] == "2" and env["MASTER_ADDR"] and env["MASTER_PORT"], env
+    assert ns["trainer_world"] == 2 and ns["same_group"]
+    assert ns["accelerate_seen"] == (2, 0, [0.0, 1.0]), ns["accelerate_seen"]
+    # the same model, data and steps in this process, with both ranks' rows in one batch
+    namespace: dict = {"rank": 0}
+    code = TRAINER_CELL.split("trainer_world, losses =")[0]
+    saved = {k: os.environ.pop(k, None) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    try:
+        exec(code, namespace)  # noqa: S102  the cell's own definitions
+        world, want = namespace["trainer_losses"](per_device=4)
+    finally:
+        os.environ.update({k: v for k, v in saved.items() if v is not None})
+    assert world == 1 and len(want) == len(ns["losses"]) == 5
+    assert max(abs(a - b) / b for a, b in zip(ns["losses"], want)) < 1e-4, (ns["losses"], want)
