@@ -41,6 +41,8 @@ _PUBLIC = {
     "get_policy": "kernels_runtime.policies",
     "register_policy": "kernels_runtime.policies",
     "deferred_parameters": "kernels_runtime.policies.deferred",
+    "evaluate": "kernels_runtime.api",
+    "fit": "kernels_runtime.api",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -1,4 +1,5 @@
-"""Download-free data for distributed demos and tests: a stdlib text corpus and DP batching."""
+"""Data for distributed training: a download-free stdlib text corpus and DP batching; rows from
+local files sharded over dp ranks, chat SFT examples, padding and packing."""
 
 from kernels_runtime.data.corpus import (
     ByteTokenizer,
@@ -8,12 +9,21 @@ from kernels_runtime.data.corpus import (
     stdlib_files,
     train_val_split,
 )
+from kernels_runtime.data.files import (
+    eval_batches,
+    load_rows,
+    shard_order,
+    shard_rows,
+    train_batches,
+)
 from kernels_runtime.data.loader import (
     ShardSampler,
     TokenBatches,
     distributed_loader,
     shard_indices,
 )
+from kernels_runtime.data.packing import counted_tokens, pack, pad_rows
+from kernels_runtime.data.sft import chat_example, chat_examples, chat_segments
 
 __all__ = [
     "ByteTokenizer",
@@ -26,4 +36,15 @@ __all__ = [
     "stdlib_corpus",
     "stdlib_files",
     "train_val_split",
+    "chat_example",
+    "chat_examples",
+    "chat_segments",
+    "counted_tokens",
+    "eval_batches",
+    "load_rows",
+    "pack",
+    "pad_rows",
+    "shard_order",
+    "shard_rows",
+    "train_batches",
 ]

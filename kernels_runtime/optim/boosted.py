@@ -7,6 +7,13 @@ live. The step is the same for every strategy:
     finish gradient sync -> unscale (fp16) and agree on overflow across every rank that steps
     -> clip by the global norm across every shard and replica axis -> inner optimizer step on
     fp32 masters and publish parameters (``GradSync.optimizer_step``)
+
+Learning-rate schedulers drive the rebuilt optimizer both ways round. ``torch.optim``'s
+``LRScheduler`` accepts only an ``Optimizer`` and writes ``lr`` into ``optimizer.param_groups``
+each step, so ``BoostedOptimizer`` is an ``Optimizer`` whose ``param_groups`` *are* the inner
+optimizer's (built after ``parallelize``: ``get_scheduler("cosine", optimizer=boosted, ...)``),
+and the user's optimizer is re-pointed at those same group dicts (a scheduler built on it before
+``parallelize`` keeps working, its warm-up start already copied into the rebuilt groups).
 """
 
 from __future__ import annotations
@@ -29,8 +36,12 @@ from kernels_runtime.optim.sync import GradShard, GradSync
 from kernels_runtime.precision.loss_scaler import DynamicLossScaler, NoLossScaler, has_inf_or_nan
 
 
-class BoostedOptimizer:
-    """Strategy-independent step logic over a ``GradSync``; see the module docstring."""
+class BoostedOptimizer(torch.optim.Optimizer):
+    """Strategy-independent step logic over a ``GradSync``; see the module docstring.
+
+    It subclasses ``torch.optim.Optimizer`` only so LR schedulers accept it: ``Optimizer.__init__``
+    is deliberately not called (it would build groups over the model's parameters); the groups,
+    defaults and state are the inner optimizer's."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, sync: GradSync, ctx: ParallelContext,
                  precision: str, max_grad_norm: float | None) -> None:
@@ -39,6 +50,7 @@ class BoostedOptimizer:
         self.max_grad_norm = max_grad_norm
         self.scaler = DynamicLossScaler() if precision == "fp16" else NoLossScaler()
         self.inner = rebuild_optimizer(optimizer, sync.master_groups())
+        self._user = _share_groups(optimizer, self.inner)
         self.sync_grads = True
         self._last_norm: torch.Tensor | None = None  # on the device until someone reads it
         self.steps_taken = 0
@@ -47,10 +59,24 @@ class BoostedOptimizer:
 
     # ---- user surface ------------------------------------------------------------------
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The inner optimizer's groups: change ``lr`` here, or wrap ``self.inner`` in an LR
-        scheduler."""
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The inner optimizer's groups: change ``lr`` here, or build an LR scheduler on this
+        optimizer (or on the one given to ``parallelize``: it shares these groups)."""
         return self.inner.param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.inner.defaults
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The inner optimizer's per-tensor state (keyed by the runtime's master tensors)."""
+        return self.inner.state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "parameters cannot be added to an optimizer after parallelize (its tensors are the "
+            "runtime's shards); give every param group to the optimizer before parallelize")
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled for fp16."""
@@ -87,6 +113,7 @@ class BoostedOptimizer:
             self._last_norm = self._clip(shards, self.max_grad_norm)
         self.sync.optimizer_step(self.inner)
         self.steps_taken += 1
+        self._user._opt_called = True  # what a scheduler built on it checks (it never steps)
         self.zero_grad()
         return True
 
@@ -177,6 +204,15 @@ class BoostedOptimizer:
             self.inner.state.clear()
         self.load_scalar_state(state["scalar"])
         self.after_load()
+
+
+def _share_groups(optimizer: torch.optim.Optimizer,
+                  inner: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Point the user's optimizer at the inner optimizer's group dicts, so whatever a scheduler
+    built on it writes (``lr``, momentum, ...) is what the rebuilt optimizer steps with. The
+    user's optimizer must not step itself any more: its groups now hold the runtime's tensors."""
+    optimizer.param_groups = inner.param_groups
+    return optimizer
 
 
 def _shard_dict(piece: StatePiece) -> dict[str, Any]:
