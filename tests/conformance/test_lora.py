@@ -6,10 +6,11 @@ and ``train_step`` gives single-process peft's losses (1e-5 relative) and first-
 every adapter parameter (1e-5 relative L2), assembled from the pieces each rank writes; only
 adapter parameters have momentum buffers, and no frozen parameter holds a gradient after the
 step. Under 1D tensor parallelism an adapter's factors split with their layer (A of a
-row-parallel layer by input rows, B of a column-parallel one by output columns), so the
-pieces also prove each factor's layout. Plans and adapters that cannot split yet (2D/2.5D
-grids, DoRA, an adapter on the vocabulary-parallel head) are refused by ``parallelize`` with a
-message naming what works instead (``REFUSED``). Also: peft's names and ``disable_adapter()``
+row-parallel layer by input rows, B of a column-parallel one by output columns; on the 2D /
+2.5D grid A by input and B by output features, chunk j of the grid column), so the pieces also
+prove each factor's layout. Adapters that cannot split yet (DoRA, an adapter on the
+vocabulary-parallel head, in 1D as on the grid) are refused by ``parallelize`` with a message
+naming what works instead (``REFUSED``). Also: peft's names and ``disable_adapter()``
 survive the split, and a tp=2 checkpoint loads into a plain ``PeftModel``. Each case takes a
 few seconds on 2-4 ranks (``make test``); peft is optional (the module skips without it).
 """
@@ -41,12 +42,16 @@ CASES: list[tuple[str, str, int]] = [
     ("llama", f"dp=2 zero=3 {OFFLOAD}", 2),
     ("llama", "tp=2 pp=2 mb=2", 4),
     ("gpt2", "dp=2 sp=2 sp_mode=ring zero=1", 4),
+    ("gpt2", "tp=4 tp_mode=2d", 4),
+    ("bert", "tp=4 tp_mode=2d", 4),
+    ("llama", "tp=4 tp_mode=2d", 4),
+    ("llama", "tp=8 tp_mode=2.5d depth=2", 8),
 ]
 
 # (family, plan, ranks, wrap) -> a fragment the refusal must contain
 REFUSED: dict[tuple[str, str, int, Callable], str] = {
-    ("llama", "tp=4 tp_mode=2d", 4, with_lora): "LoRA adapters under tp_mode=2d are not "
-                                                "supported yet; use tp_mode=1d",
+    ("llama", "tp=4 tp_mode=2d", 4, with_head_lora): "lm_head: LoRA adapters on a "
+                                                     "vocab-parallel module are not supported",
     ("llama", "tp=2", 2, with_dora): "and 13 more LoRA layers: a LoRA variant (DoRA, ...) "
                                      "does not split under tensor parallelism",
     ("llama", "tp=2", 2, with_head_lora): "lm_head: LoRA adapters on a vocab-parallel module "

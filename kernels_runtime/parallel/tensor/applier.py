@@ -2,7 +2,7 @@
 model's policy (``tensor_parallel.py``), or 2D / 2.5D on a grid (``grid_parallel.py``). Its
 ``check`` also refuses a swap that would drop a module attribute (``attributes.py``), before
 any applier changes the model, and refuses LoRA adapters (a peft wrapper) where they cannot
-split yet (``lora_refusals``)."""
+split (``lora_refusals``)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def check(state: ParallelState, model: nn.Module) -> str | None:
 def lora_refusals(state: ParallelState, model: nn.Module, resolved: ResolvedLayout,
                   ) -> list[str]:
     """Why the LoRA layers of ``model`` cannot split under this plan (none: they can, or it
-    has none): only 1D tensor parallelism splits them (``lora.py``)."""
+    has none): 1D and the 2D / 2.5D grids split plain LoRA on linear layers (``lora.py``)."""
     split = {path.rpartition(".")[0]: specs["weight"]
              for path, specs in modules_to_split(resolved).items()
              if path.endswith(".base_layer") and "weight" in specs}
@@ -67,13 +67,11 @@ def lora_refusals(state: ParallelState, model: nn.Module, resolved: ResolvedLayo
     if not layers:
         return []
     plan = state.ctx.plan
-    if plan.tp_mode != "1d":
-        return [f"LoRA adapters under tp_mode={plan.tp_mode} are not supported yet; use "
-                f"tp_mode=1d (e.g. \"tp={plan.tp}\") or data parallelism and ZeRO"]
     _, kv_heads = state.policy.attention_heads(model)
     by_reason: dict[str, list[str]] = {}  # one message per reason, not per layer
     for path, layer in sorted(layers.items()):
-        replicated = bool(split[path].kv and kv_heads and kv_heads % plan.tp)
+        replicated = bool(plan.tp_mode == "1d" and split[path].kv and kv_heads  # 1D only
+                          and kv_heads % plan.tp)
         for why in lora_layer_refusals(layer, split[path], replicated):
             by_reason.setdefault(why, []).append(path)
     return [f"{paths[0]}{f' and {len(paths) - 1} more LoRA layers' if len(paths) > 1 else ''}"

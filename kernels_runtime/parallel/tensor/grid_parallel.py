@@ -11,7 +11,9 @@ are blocks (b/(d*q), s, h/q): the model's input is cut by batch rows on the way 
 head's logits, or the blocks' output when a replicated head such as a classifier follows), so
 HF outputs keep their type and full shape; ``causal_lm_loss`` computes the loss on the blocks
 instead (``grid_cross_entropy``). Attention runs unchanged on this rank's batch rows and heads
-(the heads split over the q columns; the policy's ``local_attributes`` are divided by q).
+(the heads split over the q columns; the policy's ``local_attributes`` are divided by q). A
+peft LoRA layer stays in place: its frozen base becomes the ``Linear2D`` and its factors are
+cut to the features the rank holds (``lora.split_grid_lora``); frozen parameters stay frozen.
 
 Under 2.5D the d grids work on other batch rows with the same weight blocks, whose gradients
 the kernels sum over the depth; layouts mark those copies (``ParamLayout.replica``), so the
@@ -44,13 +46,14 @@ from kernels_runtime.parallel.tensor.grid import (
     split_features,
 )
 from kernels_runtime.parallel.tensor.layers import PartialGradModule
+from kernels_runtime.parallel.tensor.lora import split_grid_lora
 from kernels_runtime.parallel.tensor.tensor_parallel import (
     layouts_for_aliases,
     modules_to_split,
     parent_of,
     same_random_state,
 )
-from kernels_runtime.policies import ResolvedLayout, find_module
+from kernels_runtime.policies import ResolvedLayout, find_module, is_lora_layer
 from kernels_runtime.policies.specs import AttentionSpec
 
 BATCH_KEYS = ("input_ids", "attention_mask", "token_type_ids")
@@ -128,6 +131,8 @@ def grid_replicated(resolved: ResolvedLayout, blocks_path: str | None, head_path
     chunks = on_grid(resolved, blocks_path, head_path, after)
     paths = []
     for spec in sorted(resolved.specs.values(), key=lambda s: -s.module.count(".")):
+        if spec.adapter:  # a LoRA factor: cut with its layer's base (``_GridSwapper.lora``)
+            continue
         if spec.style == "replicated" and spec.module not in split and chunks(spec.module):
             split.add(spec.module)
             paths.append(spec.module)
@@ -159,6 +164,7 @@ class _GridSwapper:
         for attribute, tensor in old.named_parameters(recurse=False):
             replacement = getattr(new, attribute, None)
             if isinstance(replacement, nn.Parameter) and id(tensor) not in self.swapped:
+                replacement.requires_grad_(tensor.requires_grad)  # frozen stays frozen (peft)
                 self.swapped[id(tensor)] = replacement
                 self._old.append(tensor)
         for attribute, layout in layouts.items():
@@ -167,6 +173,9 @@ class _GridSwapper:
 
     def split(self, path: str, spec_style: str, transposed: bool, parts: int) -> None:
         old, grid = self.model.get_submodule(path), self.grid
+        if self._lora_layer(path) is not None:
+            self.lora(path, transposed, parts)
+            return
         if spec_style == "vocab" and isinstance(old, nn.Embedding):
             new = Embedding2D.from_full(old.weight, grid, old.padding_idx)
             self.put(path, old, new, new.layouts, "vocabulary x hidden block")
@@ -211,6 +220,9 @@ class _GridSwapper:
             new, layouts = ChunkEmbedding(chunk, grid, old.padding_idx), {"weight": layout}
         elif kind == "conv":
             new, layouts = self._conv(old)
+        elif kind == "linear" and self._lora_layer(path) is not None:
+            self.lora(path, False, 1)
+            return
         elif kind == "linear":
             new = Linear2D.from_full(old.weight, old.bias, grid)
             layouts = new.layouts
@@ -219,6 +231,31 @@ class _GridSwapper:
         else:
             return
         self.put(path, old, new, layouts, "hidden chunk")
+
+    def _lora_layer(self, path: str) -> nn.Module | None:
+        """The peft LoRA layer whose ``base_layer`` is at ``path``, if it is one."""
+        holder, name = parent_of(self.model, path)
+        return holder if name == "base_layer" and is_lora_layer(holder) else None
+
+    def lora(self, path: str, transposed: bool, parts: int) -> None:
+        """A peft LoRA layer's base (at ``path``) as a ``Linear2D``, its factors cut to match
+        (``lora.split_grid_lora``); the layer stays, with peft's names and switches."""
+        layer = self._lora_layer(path)
+        layer_path = path.rpartition(".")[0]
+        old_factors = {n: p for n, p in layer.named_parameters() if n.startswith("lora_")}
+        old = layer.base_layer
+        base = Linear2D.from_full(old.weight, getattr(old, "bias", None), self.grid,
+                                  transposed, parts)
+        self.put(path, old, base, base.layouts, "SUMMA block")
+        for attribute, layout in split_grid_lora(layer, self.grid, parts).items():
+            self.layouts[f"{layer_path}.{attribute}"] = layout
+        for attribute, tensor in old_factors.items():
+            new = layer.get_parameter(attribute)
+            if new is not tensor and id(tensor) not in self.swapped:
+                self.swapped[id(tensor)] = new
+                self._old.append(tensor)
+        self.replaced.append((layer_path, f"LoRA {type(layer).__name__} over Linear2D "
+                                          "(SUMMA block; adapters split to match)"))
 
     def _summed(self, module: nn.Module) -> nn.Module:
         """Every row and depth sees other batch rows: gradients summed down the column and
@@ -239,6 +276,8 @@ class _GridSwapper:
             if old.bias is not None:
                 bias, layouts["bias"] = _chunk(old.bias.detach(), 0, self.grid)
                 conv.bias.copy_(bias)
+        for name, p in conv.named_parameters():
+            p.requires_grad_(getattr(old, name).requires_grad)  # frozen stays frozen (peft)
         return self._summed(conv), layouts
 
     def _own_parameters(self, old: nn.Module) -> tuple[nn.Module, dict[str, ParamLayout]]:
@@ -247,7 +286,7 @@ class _GridSwapper:
         for name, p in list(old.named_parameters(recurse=False)):
             if p.shape[-1] == self.hidden:
                 local, layouts[name] = _chunk(p.detach(), p.dim() - 1, self.grid)
-                new = nn.Parameter(local)
+                new = nn.Parameter(local, requires_grad=p.requires_grad)
                 setattr(old, name, new)
                 self.swapped[id(p)] = new  # the user's optimizer holds the old one
                 self._old.append(p)

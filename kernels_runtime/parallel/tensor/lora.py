@@ -1,4 +1,5 @@
-"""LoRA adapters under 1D tensor parallelism: a peft LoRA layer whose frozen base is split.
+"""LoRA adapters under tensor parallelism (1D and the 2D / 2.5D grids): a peft LoRA layer
+whose frozen base is split.
 
 A LoRA layer computes y = x W + s (x A) B, W frozen, A (in -> r) and B (r -> out) trained, s
 the adapter's scaling. Its factors split with W, so each rank's adapter adds to exactly the
@@ -15,12 +16,24 @@ base output it holds:
   collective in forward. B's gradient (x_i A_i)^T dy is rank i's share: summed over tp.
 
 So the only extra collectives sum an r x in or out factor gradient per layer, never an
-activation. Layouts (``ParamLayout``) say which factor is split where, so data parallelism
-shards the adapters further and checkpoints write them whole.
+activation.
 
-peft's layer stays in the model: its ``base_layer`` becomes the column- or row-parallel layer,
-its factors hold their shards, and its forward is this file's (``SplitLoraForward``, set on the
-instance: the class's would add the adapter after the base's all-reduce). So names stay peft's
+On the 2D / 2.5D grid (``grid/``) every base is a ``Linear2D``: rank (k, i, j) holds input
+block X[k,i,j] (b/(d*q), s, in/q) and output block Y[k,i,j] (.., out/q), and both factors split
+by the features the rank holds: A by input columns, chunk j (r, in/q), B by output rows, chunk
+j of each fused part (out/q, r), like the base's bias. X[k,i,j] A_j^T is column j's part of
+x A^T for batch block (k, i): one all-reduce of (.., r) over the row joins it, and its
+backward sums the row's partial gradients (each column uses it with its own B_j). Every row
+and depth holds the same A_j and B_j for other batch rows, so their gradients are summed down
+the column and over the depths (``GridLoraForward``).
+
+Layouts (``ParamLayout``) say which factor is split where, so data parallelism shards the
+adapters further and checkpoints write them whole.
+
+peft's layer stays in the model: its ``base_layer`` becomes the column- or row-parallel layer
+(or ``Linear2D``), its factors hold their shards, and its forward is this file's
+(``SplitLoraForward`` / ``GridLoraForward``, set on the instance: the class's would add the
+adapter after the base's all-reduce, or to the wrong block). So names stay peft's
 (``base_layer.weight``, ``lora_A.<adapter>.weight``), and peft's switches (``disable_adapter()``,
 ``set_adapter``) still act on it. What it cannot run split (DoRA and other variants, factor
 biases, adapters on embeddings, heads or key/value heads replicated across tp, mixed-adapter
@@ -33,8 +46,9 @@ import torch
 from torch import nn
 
 from kernels_runtime.comm import Collectives
-from kernels_runtime.comm.autograd import copy_to_group
+from kernels_runtime.comm.autograd import copy_to_group, reduce_from_group
 from kernels_runtime.mesh.shards import ParamLayout
+from kernels_runtime.parallel.tensor.grid import Grid, split_features
 from kernels_runtime.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -44,6 +58,18 @@ from kernels_runtime.parallel.tensor.sharding import split_dim
 from kernels_runtime.policies import ParamSpec
 
 TP1 = "or use tp=1 (LoRA trains under dp, every ZeRO stage, pp and sp)"
+
+
+def _active(layer: nn.Module, args: tuple, kwargs: dict) -> list[str]:
+    """The adapters peft's own forward would add now (none while disabled or merged)."""
+    if args or kwargs:
+        raise ValueError(f"a tensor-parallel LoRA layer takes only its input, got "
+                         f"{sorted(kwargs) or len(args)} more (mixed-adapter batches "
+                         "are not supported under tensor parallelism)")
+    if layer.disable_adapters and layer.merged:
+        layer.unmerge()  # as peft's own forward does
+    return [] if layer.disable_adapters or layer.merged else \
+        [a for a in layer.active_adapters if a in layer.lora_A]
 
 
 class SplitLoraForward:
@@ -57,14 +83,7 @@ class SplitLoraForward:
 
     def __call__(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         layer = self.layer
-        if args or kwargs:
-            raise ValueError(f"a tensor-parallel LoRA layer takes only its input, got "
-                             f"{sorted(kwargs) or len(args)} more (mixed-adapter batches "
-                             "are not supported under tensor parallelism)")
-        if layer.disable_adapters and layer.merged:
-            layer.unmerge()  # as peft's own forward does
-        adapters = [] if layer.disable_adapters or layer.merged else \
-            [a for a in layer.active_adapters if a in layer.lora_A]
+        adapters = _active(layer, args, kwargs)
         if isinstance(layer.base_layer, RowParallelLinear):
             return self._row(layer, x, adapters)
         return self._column(layer, x, adapters)
@@ -93,10 +112,51 @@ class SplitLoraForward:
         return base.reduce(partial)  # (b, s, out), or (b, s/tp, out) under SP
 
 
+class GridLoraForward:
+    """The forward of a peft LoRA layer over a ``Linear2D`` base on the 2D / 2.5D grid
+    (module docstring), read live from the layer as ``SplitLoraForward``."""
+
+    def __init__(self, layer: nn.Module, grid: Grid) -> None:
+        self.layer, self.grid = layer, grid
+
+    def __call__(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        layer, grid = self.layer, self.grid
+        adapters = _active(layer, args, kwargs)
+        y = layer.base_layer(x)  # (b/(d*q), s, out/q): X[k,i,j] in, Y[k,i,j] out
+        for adapter in adapters:
+            a = _held_by_rows(layer.lora_A[adapter].weight, grid)  # (r, in/q): A[:, chunk j]
+            h = layer.lora_dropout[adapter](x.to(a.dtype)) @ a.t()  # (.., r): column j's part
+            h = copy_to_group(reduce_from_group(h, grid.comm, grid.row), grid.comm, grid.row)
+            b = _held_by_rows(layer.lora_B[adapter].weight, grid)  # (out/q, r): B[chunk j]
+            y = y + ((h @ b.t()) * layer.scaling[adapter]).to(y.dtype)  # (.., out/q)
+        return y
+
+
+def _held_by_rows(factor: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """A factor chunk every row and depth holds, each using it on other batch rows: its
+    gradient is summed down the column and over the depths."""
+    factor = copy_to_group(factor, grid.comm, grid.col)
+    return copy_to_group(factor, grid.comm, grid.dep) if grid.dep is not None else factor
+
+
+def split_grid_lora(layer: nn.Module, grid: Grid, parts: int) -> dict[str, ParamLayout]:
+    """Cut peft LoRA ``layer``'s factors to match its base, already a ``Linear2D`` (``parts``
+    fused outputs), and install the grid forward; returns the factors' layouts, by their names
+    under the layer."""
+    layouts: dict[str, ParamLayout] = {}
+    for factor, dim, factor_parts in (("A", 1, 1), ("B", 0, parts)):
+        for adapter, module in getattr(layer, f"lora_{factor}").items():
+            local, layout = split_features(module.weight.detach(), grid, factor_parts, dim)
+            _shard(module, local)
+            layouts[f"lora_{factor}.{adapter}.weight"] = layout
+    layer.forward = GridLoraForward(layer, grid)
+    return layouts
+
+
 def is_split_lora(module: nn.Module) -> bool:
     """A LoRA layer whose base this file split: it owns its parts (nothing inside it is
     wrapped or swapped again)."""
-    return isinstance(getattr(module, "forward", None), SplitLoraForward)
+    return isinstance(getattr(module, "forward", None), (SplitLoraForward, GridLoraForward))
 
 
 def _shard(module: nn.Module, local: torch.Tensor) -> None:

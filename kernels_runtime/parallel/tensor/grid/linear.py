@@ -77,21 +77,25 @@ class _Summa(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         flat, weight = ctx.saved_tensors
         grid, transposed, q = ctx.grid, ctx.transposed, ctx.grid.side
+        # a frozen weight (LoRA's base) gets no dW: every rank of the grid skips the same
+        # products and reduces, as requires_grad is the same everywhere
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g = grad.reshape(-1, grad.shape[-1]).contiguous()  # (n, out/q): dY[k,i,j]
-        dx_parts = g.new_empty((q, *flat.shape))  # part l: for X[k,i,l], on column l
-        dw_parts = weight.new_empty((q, *weight.shape))  # part l: for W[l,j], on row l
+        dx_parts = g.new_empty((q, *flat.shape)) if need_x else None  # part l: X[k,i,l]'s
+        dw_parts = weight.new_empty((q, *weight.shape)) if need_w else None  # W[l,j]'s
         for step, (x_l, w_l) in enumerate(summa_steps(flat, weight.contiguous(), grid)):
-            torch.mm(g, w_l.t() if transposed else w_l, out=dx_parts[step])  # (n, in/q)
-            if transposed:
+            if need_x:
+                torch.mm(g, w_l.t() if transposed else w_l, out=dx_parts[step])  # (n, in/q)
+            if need_w and transposed:
                 torch.mm(x_l.t(), g, out=dw_parts[step])  # (in/q, out/q)
-            else:
+            elif need_w:
                 torch.mm(g.t(), x_l, out=dw_parts[step])  # (out/q, in/q)
-        dx = reduce_row(dx_parts, grid).view(*ctx.lead, flat.shape[-1])  # (.., in/q)
-        dw = reduce_col(dw_parts, grid)
-        if ctx.reduce_depth:
+        dx = reduce_row(dx_parts, grid).view(*ctx.lead, flat.shape[-1]) if need_x else None
+        dw = reduce_col(dw_parts, grid) if need_w else None  # (.., in/q) and W's block
+        if need_w and ctx.reduce_depth:
             dw = sum_depth(dw, grid)
         db = None
-        if ctx.has_bias:
+        if ctx.has_bias and need_b:
             db = sum_replicas(g.float().sum(0).to(g.dtype), grid, ctx.reduce_depth)  # (out/q,)
         return dx, dw, db, None, None, None
 

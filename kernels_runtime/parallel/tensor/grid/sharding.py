@@ -72,10 +72,12 @@ def split_weight(full: torch.Tensor, grid: Grid, transposed: bool = False,
                 weight_replica(grid))
 
 
-def split_features(full: torch.Tensor, grid: Grid,
-                   parts: int = 1) -> tuple[torch.Tensor, ParamLayout]:
-    """Chunk j (of each of ``parts``) of a (features,) bias or norm weight."""
-    return _cut(full, {0: (grid.j, grid.side, parts)}, chunk_replica(grid))
+def split_features(full: torch.Tensor, grid: Grid, parts: int = 1,
+                   dim: int = 0) -> tuple[torch.Tensor, ParamLayout]:
+    """Chunk j (of each of ``parts``) along ``dim`` of a (features,) bias or norm weight, or
+    of a LoRA factor ((out, r) B by its output rows, (r, in) A by its input columns, dim 1):
+    held by every row and depth alike."""
+    return _cut(full, {dim: (grid.j, grid.side, parts)}, chunk_replica(grid))
 
 
 def grid_vocab_range(vocab: int, grid: Grid) -> tuple[int, int, int]:
