@@ -10,7 +10,7 @@ data parallelism at each ZeRO stage, tp=3 (its 9 heads over 3 key/value heads sp
 ways), dp=2 x tp=3, a two-stage pipeline (1F1B, interleaved, zero-bubble V), ring sequence
 parallelism, and every model state offloaded to the host and, beyond a zero host budget, to
 disk. GPT-2 and BERT configs run the
-same five steps under tp=2.
+same five steps under tp=2 and 2D tp=4.
 
 The two-block cells of ``test_lora.py`` cover the families and plans broadly at three steps;
 these run longer on more of the real model, so they sit in ``make test-full``.
@@ -40,7 +40,7 @@ CASES: list[tuple[str, str, int]] = [
     ("smollm2", "sp=2 sp_mode=ring", 2),
     ("smollm2", f"dp=2 zero=2 {OFFLOAD}", 2),  # the frozen base on the host
     ("smollm2", f"dp=2 zero=2 {OFFLOAD} host_mem=0", 2),  # ... and on disk
-    *[(f, "tp=2", 2) for f in ("gpt2", "bert")],
+    *[(f, p, w) for p, w in (("tp=2", 2), ("tp=4 tp_mode=2d", 4)) for f in ("gpt2", "bert")],
 ]
 
 
