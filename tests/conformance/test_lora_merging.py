@@ -6,7 +6,8 @@ whole B times A's columns of a row-parallel one: each rank's delta has its shard
 the logits equal single-process peft's merged model; ``unmerge_adapter()`` takes it out again
 (the adapters' logits). LLaMA's ``nn.Linear`` and GPT-2's transposed ``Conv1D``
 (``fan_in_fan_out``), within 2e-6 of the float32 logits; every split base weight changes by
-the merge and returns after the unmerge.
+the merge and returns after the unmerge. An adapter added after the split is refused in words
+at its forward.
 """
 
 from __future__ import annotations
@@ -55,3 +56,32 @@ def test_merge_adapter_folds_split_adapters_into_their_shards(ranks, family):
         assert r["adapters"] < 2e-6 and r["merged"] < 2e-6 and r["unmerged"] < 2e-6, (rank, r)
         # every split base weight took its adapter's delta in, and gave it back
         assert r["weights_moved"] > 1e-3 and r["weights_back"] < 1e-6, (rank, r)
+
+
+def _late_adapter_on_rank(rank: int, world: int) -> str:
+    from peft import LoraConfig
+
+    from kernels_runtime import parallelize_model
+
+    from helpers.distributed import context
+
+    family = FAMILIES["llama"]
+    batch = {k: v for k, v in global_batch(family, 0).items() if k != "labels"}
+    model = parallelize_model(with_lora(family, family.build()), "tp=2", ctx=context("tp=2"),
+                              verbose=False)
+    model.add_adapter("late", LoraConfig(r=4, target_modules=["q_proj", "o_proj"]))
+    model.set_adapter("late")
+    try:
+        with torch.no_grad():
+            model(**batch)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_an_adapter_added_after_parallelize_is_refused_in_words(ranks):
+    """peft's ``add_adapter`` on a split model makes whole factors beside split bases: the
+    forward names the adapter and the fix rather than failing on mismatched shapes."""
+    for message in ranks(2).run(_late_adapter_on_rank, timeout_s=300):
+        assert message.startswith("LoRA adapter 'late' was added after parallelize"), message
+        assert "add every adapter" in message, message

@@ -60,16 +60,24 @@ from kernels_runtime.policies import ParamSpec
 TP1 = "or use tp=1 (LoRA trains under dp, every ZeRO stage, pp and sp)"
 
 
-def _active(layer: nn.Module, args: tuple, kwargs: dict) -> list[str]:
-    """The adapters peft's own forward would add now (none while disabled or merged)."""
+def _active(layer: nn.Module, args: tuple, kwargs: dict, split: frozenset[str]) -> list[str]:
+    """The adapters peft's own forward would add now (none while disabled or merged); every
+    one must be among those split with the layer (``split``)."""
     if args or kwargs:
         raise ValueError(f"a tensor-parallel LoRA layer takes only its input, got "
                          f"{sorted(kwargs) or len(args)} more (mixed-adapter batches "
                          "are not supported under tensor parallelism)")
     if layer.disable_adapters and layer.merged:
         layer.unmerge()  # as peft's own forward does
-    return [] if layer.disable_adapters or layer.merged else \
+    active = [] if layer.disable_adapters or layer.merged else \
         [a for a in layer.active_adapters if a in layer.lora_A]
+    late = [a for a in active if a not in split]
+    if late:
+        raise ValueError(
+            f"LoRA adapter {late[0]!r} was added after parallelize: its factors are whole "
+            "while this layer's base is split; add every adapter (peft's add_adapter or "
+            "load_adapter) before parallelize, or parallelize a freshly built model")
+    return active
 
 
 class SplitLoraForward:
@@ -80,10 +88,11 @@ class SplitLoraForward:
 
     def __init__(self, layer: nn.Module, comm: Collectives, group) -> None:
         self.layer, self.comm, self.group = layer, comm, group
+        self.split = frozenset(layer.lora_A)  # the adapters cut with the base
 
     def __call__(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         layer = self.layer
-        adapters = _active(layer, args, kwargs)
+        adapters = _active(layer, args, kwargs, self.split)
         if isinstance(layer.base_layer, RowParallelLinear):
             return self._row(layer, x, adapters)
         return self._column(layer, x, adapters)
@@ -118,10 +127,11 @@ class GridLoraForward:
 
     def __init__(self, layer: nn.Module, grid: Grid) -> None:
         self.layer, self.grid = layer, grid
+        self.split = frozenset(layer.lora_A)  # the adapters cut with the base
 
     def __call__(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         layer, grid = self.layer, self.grid
-        adapters = _active(layer, args, kwargs)
+        adapters = _active(layer, args, kwargs, self.split)
         y = layer.base_layer(x)  # (b/(d*q), s, out/q): X[k,i,j] in, Y[k,i,j] out
         for adapter in adapters:
             a = _held_by_rows(layer.lora_A[adapter].weight, grid)  # (r, in/q): A[:, chunk j]
