@@ -15,9 +15,10 @@ from workbench.dashboard import dashboard
 from workbench.errors import PoolError, RankFailureError
 from workbench.planner import recommend as recommend  # re-export: workbench.recommend(...)
 from workbench.pool import Pool, RankStatus
+from workbench.rank_fit import RankFit, fit_ranks
 
-__all__ = ["Pool", "PoolError", "RankFailureError", "RankStatus", "dashboard",
-           "load_ipython_extension", "recommend", "tune"]
+__all__ = ["Pool", "PoolError", "RankFailureError", "RankFit", "RankStatus", "dashboard",
+           "fit_ranks", "load_ipython_extension", "recommend", "tune"]
 
 
 def tune(model: Any, **options: Any) -> Any:
