@@ -43,6 +43,7 @@ _PUBLIC = {
     "deferred_parameters": "kernels_runtime.policies.deferred",
     "evaluate": "kernels_runtime.api",
     "fit": "kernels_runtime.api",
+    "BudgetError": "kernels_runtime.memory.placement",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -17,8 +17,24 @@ from workbench.planner import recommend as recommend  # re-export: workbench.rec
 from workbench.pool import Pool, RankStatus
 from workbench.rank_fit import RankFit, fit_ranks
 
-__all__ = ["Pool", "PoolError", "RankFailureError", "RankFit", "RankStatus", "dashboard",
-           "fit_ranks", "load_ipython_extension", "recommend", "tune"]
+__all__ = ["Pool", "PoolError", "RankFailureError", "RankFit", "RankStatus", "RemoteEngine",
+           "active_pool", "dashboard", "fit_ranks", "free_port", "load_ipython_extension",
+           "recommend", "tune"]
+
+# what notebooks use from deeper modules, imported on first use (IPython and the serving
+# stack are not needed to import the workbench)
+_LAZY = {"RemoteEngine": "workbench.inference", "active_pool": "workbench.magics",
+         "free_port": "workbench.serving.server"}
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name not in _LAZY:
+        raise AttributeError(f"module 'workbench' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
 
 
 def tune(model: Any, **options: Any) -> Any:
