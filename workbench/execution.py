@@ -48,26 +48,48 @@ class CellOutcome:
 
 
 class _OutputForwarder:
-    """Forward each rank's new stdout/stderr/display output since the last call."""
+    """Forward each rank's new stdout/stderr/display output since the last call.
+
+    ipyparallel keeps a rank's stream as the text a terminal would show: a line rewritten
+    after a carriage return (a progress bar) replaces the old line, so the stored text can
+    change behind what was sent, not only grow. What was sent is kept; text that only grew
+    sends its new end, and a rewritten last line is sent again after a ``\r`` (which
+    Jupyter's output area and a terminal both draw over the line)."""
 
     def __init__(self, ranks: list[int], metadata: list[dict], stream: StreamSink,
                  display: DisplaySink) -> None:
         self.ranks, self.metadata = ranks, metadata
         self.stream, self.display = stream, display
-        self.sent = [{"stdout": 0, "stderr": 0, "outputs": 0} for _ in ranks]
+        self.sent: list[dict[str, Any]] = [{"stdout": "", "stderr": "", "outputs": 0}
+                                           for _ in ranks]
 
     def flush(self) -> None:
         for i, rank in enumerate(self.ranks):
             md, sent = self.metadata[i], self.sent[i]
             for name in ("stdout", "stderr"):
                 text = md.get(name) or ""
-                if len(text) > sent[name]:
-                    self.stream(rank, name, text[sent[name]:])
-                    sent[name] = len(text)
+                new = _new_text(sent[name], text)
+                if new:
+                    self.stream(rank, name, new)
+                sent[name] = text
             outputs = md.get("outputs") or []
             for content in outputs[sent["outputs"]:]:
                 self.display(rank, content)
             sent["outputs"] = len(outputs)
+
+
+def _new_text(sent: str, text: str) -> str:
+    """What to write so a reader of ``sent`` sees ``text``: its new end, or, where a line was
+    rewritten, a carriage return and that line onwards."""
+    if text.startswith(sent):
+        return text[len(sent):]
+    same = 0
+    for a, b in zip(sent, text):
+        if a != b:
+            break
+        same += 1
+    line_start = text.rfind("\n", 0, same) + 1
+    return "\r" + text[line_start:]
 
 
 class _DataForwarder:

@@ -193,3 +193,18 @@ def test_hf_trainer_and_accelerate_in_a_cell_use_the_pools_group(shell):
         os.environ.update({k: v for k, v in saved.items() if v is not None})
     assert world == 1 and len(want) == len(ns["losses"]) == 5
     assert max(abs(a - b) / b for a, b in zip(ns["losses"], want)) < 1e-4, (ns["losses"], want)
+
+
+def _as_terminal(text: str) -> list[str]:
+    """The lines a terminal (or Jupyter's output area) shows: each after its last ``\\r``."""
+    return [line.rsplit("\r", 1)[-1] for line in text.split("\n")]
+
+
+def test_a_progress_bar_redrawn_with_carriage_returns_reaches_the_cell_whole(shell, capsys):
+    """A rank redrawing one line (tqdm's text bar) is shown as its latest drawing: ipyparallel
+    stores the line rewritten, and the cell gets each redraw after a ``\\r``."""
+    cell(shell, "", "import sys, time\nfor i in range(5):\n"
+                    "    sys.stderr.write(f'\\rstep {i}/4 ' + '#' * i)\n"
+                    "    sys.stderr.flush()\n    time.sleep(0.3)\nsys.stderr.write('\\ndone\\n')")
+    shown = _as_terminal(capsys.readouterr().err)
+    assert shown[:2] == ["step 4/4 ####", "done"], shown
