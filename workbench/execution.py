@@ -22,6 +22,7 @@ sidebar knows a pool is busy and how its dashboard page plots a cell while it ru
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -153,18 +154,20 @@ def run_cell(
     interrupt_wait_s: float = 2.0,
     data_sink: DataSink | None = None,
     data_interval_s: float = 0.25,
+    stop: threading.Event | None = None,
 ) -> CellOutcome:
     """Execute ``code`` on ``ranks`` (all by default) and wait, forwarding output live and,
-    to ``data_sink``, the ranks' published data."""
+    to ``data_sink``, the ranks' published data. ``stop`` set (from another thread: a
+    ``--noblock`` cell's ``interrupt()``) interrupts the ranks as a KeyboardInterrupt does."""
     ranks = list(range(pool.world_size)) if ranks is None else ranks
     check_ranks_alive(pool, ranks)
     if pool.needs_reset:
         pool.reset_process_group()
         pool.needs_reset = False
-    pool.state.cell_started(_label(code), ranks)
+    pool.state.cell_started(cell_label(code), ranks)
     try:
         outcome = _run(pool, code, ranks, stream, display, timeout_s, failure_grace_s,
-                       interrupt_wait_s, data_sink, data_interval_s)
+                       interrupt_wait_s, data_sink, data_interval_s, stop)
     except BaseException:
         pool.state.cell_finished(failed=True)
         raise
@@ -172,7 +175,7 @@ def run_cell(
     return outcome
 
 
-def _label(code: str) -> str:
+def cell_label(code: str) -> str:
     """The cell's first non-empty line, for the sidebar and the dashboard page."""
     line = next((ln.strip() for ln in code.splitlines() if ln.strip()), "")
     return line if len(line) <= 80 else line[:77] + "..."
@@ -180,7 +183,8 @@ def _label(code: str) -> str:
 
 def _run(pool: Pool, code: str, ranks: list[int], stream: StreamSink, display: DisplaySink,
          timeout_s: float | None, failure_grace_s: float, interrupt_wait_s: float,
-         data_sink: DataSink | None, data_interval_s: float) -> CellOutcome:
+         data_sink: DataSink | None, data_interval_s: float,
+         stop: threading.Event | None = None) -> CellOutcome:
     t0 = time.perf_counter()
     ar = pool.view(ranks).execute(code, silent=False, block=False)
     md = ar.metadata
@@ -190,6 +194,8 @@ def _run(pool: Pool, code: str, ranks: list[int], stream: StreamSink, display: D
     first_failure: float | None = None
     try:
         while not ar.wait(POLL_S):
+            if stop is not None and stop.is_set():
+                raise KeyboardInterrupt  # handled below, as the stop button's
             out.flush()
             now = time.perf_counter()
             data.poll(now)

@@ -13,6 +13,7 @@ run about 2 s and published something, or with ``--dashboard``; never with
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -22,9 +23,10 @@ from IPython.display import publish_display_data
 
 from kernels_runtime.mesh.plan import Plan, PlanError
 from workbench import engine_calls
+from workbench.background import BackgroundCell
 from workbench.dashboard import LiveDashboard, RunHistory, preload
 from workbench.errors import PoolError
-from workbench.execution import run_cell
+from workbench.execution import cell_label, run_cell
 from workbench.pool import Pool
 from workbench.ranks import tp_groups_within_hosts
 from workbench.serving.magic import guard_cell, resume_after_restart, serve_command
@@ -76,6 +78,9 @@ def _exec_args(f):
                  "appears once a cell has run ~2 s and published telemetry)"),
         argument("--no-dashboard", dest="dashboard", action="store_const", const="off",
                  help="do not show the live dashboard (telemetry is still kept)"),
+        argument("--noblock", action="store_true",
+                 help="return at once with a handle (.wait() gives the --pull values, "
+                      ".ready(), .interrupt()); output and the dashboard keep updating"),
     ]):
         f = arg(f)
     return _timeout_arg(f)
@@ -133,6 +138,7 @@ class ColossalMagics(Magics):
         self.last_run: RunHistory | None = None  # telemetry of the last %%colossal cell
         self.cells_run: list[tuple[str, str]] = []  # (line, code) of recent %%colossal cells
         self.server: Any = None  # the endpoint of ``%colossal serve``, while it serves
+        self.background: BackgroundCell | None = None  # the last --noblock cell
 
     @line_cell_magic
     def colossal(self, line: str, cell: str | None = None) -> Any:
@@ -233,10 +239,14 @@ class ColossalMagics(Magics):
             raise UsageError(f"--targets {text!r}: ranks must be in 0..{n - 1}")
         return ranks
 
-    def _run_cell(self, line: str, cell: str) -> None:
+    def _run_cell(self, line: str, cell: str) -> BackgroundCell | None:
         args = parse_argstring(self._cell_parser, line)
         if self.pool is None or not self.pool.started:
             raise UsageError("no pool is running: start one with `%colossal start` (e.g. -n 2)")
+        if self.background is not None and not self.background.ready():
+            raise UsageError(f"a --noblock cell still runs on ranks {self.background.ranks}: "
+                             "wait for it (handle.wait()) or stop it (handle.interrupt()) "
+                             "first")
         pool = self.pool
         ranks = self._targets(args.targets)
         try:
@@ -258,17 +268,28 @@ class ColossalMagics(Magics):
         live = LiveDashboard(ranks, mode=args.dashboard, label=f"%%colossal {line}".strip())
         self.last_run = live.history
         live.start()
-        outcome = run_cell(
-            pool, cell, ranks=ranks, stream=printer.stream, display=printer.display,
-            timeout_s=args.timeout, data_sink=live,
-        )
-        result = outcome.execute_results.get(ranks[0])
-        if result:
-            publish_display_data(result.get("data", {}), result.get("metadata", {}))
         pulls = _names(args.pull)
-        if pulls:
-            ar = pool.client[pool.engine_ids[ranks[0]]].apply_async(engine_calls.pull_names, pulls)
-            self.shell.user_ns.update(ar.get())
+
+        def wait(stop: threading.Event | None = None) -> dict[str, Any]:
+            outcome = run_cell(
+                pool, cell, ranks=ranks, stream=printer.stream, display=printer.display,
+                timeout_s=args.timeout, data_sink=live, stop=stop,
+            )
+            result = outcome.execute_results.get(ranks[0])
+            if result:
+                publish_display_data(result.get("data", {}), result.get("metadata", {}))
+            values: dict[str, Any] = {}
+            if pulls:
+                engine = pool.client[pool.engine_ids[ranks[0]]]
+                values = engine.apply_async(engine_calls.pull_names, pulls).get()
+                self.shell.user_ns.update(values)
+            return values
+
+        if args.noblock:
+            self.background = BackgroundCell(cell_label(cell), ranks, live.history).start(wait)
+            return self.background
+        wait()
+        return None
 
     def _send_plan(self, plan: Plan, ranks: list[int]) -> None:
         key = (plan, tuple(ranks), tuple(self.pool.engine_ids))  # type: ignore[union-attr]

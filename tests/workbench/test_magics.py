@@ -208,3 +208,50 @@ def test_a_progress_bar_redrawn_with_carriage_returns_reaches_the_cell_whole(she
                     "    sys.stderr.flush()\n    time.sleep(0.3)\nsys.stderr.write('\\ndone\\n')")
     shown = _as_terminal(capsys.readouterr().err)
     assert shown[:2] == ["step 4/4 ####", "done"], shown
+
+
+NOBLOCK_TRAINING = """
+import time
+import torch
+from kernels_runtime import ParallelContext, parallelize, train_step
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
+model, opt = parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         ctx=ParallelContext.build(plan, comm), verbose=False)
+loss_fn = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten())
+ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(rank))
+steps = 0
+for step in range(STEPS):
+    train_step(model, opt, [(ids, ids)], loss_fn)
+    steps += 1
+    time.sleep(0.2)
+"""
+
+
+def test_noblock_returns_at_once_trains_on_and_hands_back_its_pulls(shell):
+    """``--noblock`` returns a handle while the ranks train; the next cell runs meanwhile, the
+    dashboard's history gains points, ``wait()`` gives the pulled values; ``interrupt()``
+    stops a second run early and the pool runs cells again."""
+    from workbench.background import BackgroundCell
+
+    shell.user_ns["STEPS"] = 15
+    handle = cell(shell, '--plan "dp=2" --noblock --push STEPS --pull steps', NOBLOCK_TRAINING)
+    assert isinstance(handle, BackgroundCell) and not handle.ready()
+    assert shell.run_cell("meanwhile = 6 * 7").success and shell.user_ns["meanwhile"] == 42
+    with pytest.raises(UsageError, match="a --noblock cell still runs"):
+        cell(shell, "", "print('second')")
+    assert not handle.ready()  # the notebook went on while the ranks trained
+    assert handle.wait(120) == {"steps": 15} and shell.user_ns["steps"] == 15
+    assert len(handle.history.points) >= 2  # the live dashboard kept ingesting
+
+    shell.user_ns["STEPS"] = 1000
+    stopped = cell(shell, '--plan "dp=2" --noblock --push STEPS', NOBLOCK_TRAINING)
+    time.sleep(3)
+    stopped.interrupt()
+    with pytest.raises(KeyboardInterrupt):
+        stopped.wait(60)
+    cell(shell, "--pull steps", "pass")
+    assert 0 < shell.user_ns["steps"] < 1000  # interrupted midway
+    cell(shell, "--pull after", "after = 1")  # the pool runs cells again
+    assert shell.user_ns["after"] == 1
