@@ -71,6 +71,7 @@ class ChunkGrads:
         self._held.discard(i)
         if not self._active[i]:
             self.release(i)
+        self._frozen_after_reduce(i)  # its units' frozen weights may be done with
 
     def _drain(self) -> None:
         pending, self._pending = self._pending, []
@@ -105,13 +106,15 @@ class ChunkGrads:
 
     def _end_of_backward(self) -> None:
         for i in range(len(self.chunks)):
-            if i not in self._reduced:  # unused in this pass: its gradient counts as zero
+            if i not in self._reduced and not self.chunks[i].frozen:  # unused in this pass:
+                # its gradient counts as zero
                 self._reduce(i)
                 self.overlap["at_end"] += 1
         self._drain()
         for i in list(self._held):
             self._held.discard(i)
             self.release(i)
+        self._end_frozen_backward()
         self._in_backward = False
         self._fetched_for_backward.clear()
         self._reduced.clear()

@@ -236,13 +236,15 @@ class ChunkStep(DeferredSteps, GradSync):
         """Create the optimizer's states of every chunk without changing anything (a step with
         zero gradients at learning rate 0), so loading has tensors to fill."""
         self.complete_step()
-        if all(self.states[c.index] for c in self.chunks):
+        if all(self.states[c.index] for c in self.chunks if not c.frozen):
             return
         self.unpin()
         lrs = [g["lr"] for g in inner.param_groups]
         for g in inner.param_groups:
             g["lr"] = 0.0
         for c in self.chunks:
+            if c.frozen:
+                continue
             master, where = self.master[c.index], self._step_tier(c.index)
             self.placer.in_use.add(master.key)
             self.placer.bring(master, where)
@@ -278,6 +280,8 @@ class ChunkStep(DeferredSteps, GradSync):
         self.complete_step()
         out = []
         for c in self.chunks:
+            if c.frozen:  # not in a checkpoint: what trains is (the base has its own files)
+                continue
             i = c.index
             for p in [self.master[i], *self.states[i].values()]:
                 self._pinned.append(p)  # the views must stay live storage until the next use
@@ -321,7 +325,8 @@ class ChunkStep(DeferredSteps, GradSync):
 
     def memory_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes of model state this rank holds on every tier together (``tier_bytes`` splits
-        them by tier)."""
+        them by tier); ``params`` counts frozen weights too (in the compute dtype, this rank's
+        shard under zero 3), as FSDP2's breakdown does."""
         params = sum(p.nbytes for p in self.param)
         grads = sum(p.nbytes for p in self.grad if p is not None)
         masters = sum(m.nbytes for p, m in zip(self.param, self.master) if m is not p)

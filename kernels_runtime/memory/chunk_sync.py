@@ -18,7 +18,8 @@ pre-hook gathers its chunks and its forward hook releases them; a hook on the un
 gathers them again for its backward (a checkpointed block re-running its forward inside
 backward keeps them); a gradient hook per parameter copies the gradient into the chunk's
 buffer, and the chunk's last one starts the reduction (``chunk_grads.py``). The optimizer step
-streams chunk by chunk (``chunk_step.py``), each wherever its master lives.
+streams chunk by chunk (``chunk_step.py``), each wherever its master lives. Frozen parameters
+(a LoRA base) are chunks of their own holding a ``param`` payload alone (``frozen_chunks.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kernels_runtime.memory.activation_reserve import ActivationReserve
 from kernels_runtime.memory.chunk_grads import ChunkGrads
 from kernels_runtime.memory.chunk_step import ChunkStep
 from kernels_runtime.memory.chunks import ChunkLayout, Unit, build_chunks, find_units
+from kernels_runtime.memory.frozen_chunks import FrozenRelease, frozen_named_params
 from kernels_runtime.memory.placement import Placer, Trace, static_homes
 from kernels_runtime.memory.tiers import Payload, Tier, TierStore
 from kernels_runtime.mesh.context import ParallelContext
@@ -44,7 +46,7 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class ChunkGradSync(ChunkGrads, ChunkStep):
+class ChunkGradSync(ChunkGrads, ChunkStep, FrozenRelease):
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
         layouts: dict[str, ParamLayout], *, blocks: list[nn.Module], zero_stage: int,
@@ -55,13 +57,19 @@ class ChunkGradSync(ChunkGrads, ChunkStep):
                                   replaced)
         self.training = optimizer is not None  # without: weights only, for inference
         self._groups = len(groups)
+        # frozen parameters train nothing: weights-only chunks, a group after the optimizer's
+        frozen = frozen_named_params(model, groups) if self.training else []
+        for name, p in frozen:
+            self.layouts[name] = layouts.get(name) or ParamLayout.replicated(tuple(p.shape))
         move_real(model, ctx.device)  # deferred parameters are materialized unit by unit
         self._model = model
         self._blocks = blocks
         self.units: list[Unit] = find_units(model, blocks)
         self.chunks: list[ChunkLayout] = build_chunks(
-            self.units, blocks, groups, self.dp, int(chunk_mb * 2**20),
+            self.units, blocks, [*groups, frozen], self.dp, int(chunk_mb * 2**20),
             key=lambda name: self.layouts[name].signature)
+        for c in self.chunks:
+            c.frozen = c.group == self._groups
         self.store = store
         self.placer = Placer(store, predicted=self._predicted_trace(), **placer_args)
         self.activations = ActivationReserve(self.placer, ctx.device)
@@ -91,14 +99,19 @@ class ChunkGradSync(ChunkGrads, ChunkStep):
         self.grad_homes: list[Tier] | None = None  # static placement only
         self._gathered: set[int] = set()
         self._init_step()
+        self._init_frozen()
         self._install_hooks()
-        per_param = self.dtype.itemsize + (4 if self.training else 0)
+        self._install_frozen_hooks()
+        size = self.dtype.itemsize
+        per_param = size + (4 if self.training else 0)
         self.placer.floor[Tier.DEVICE] = max(
-            sum(self.chunks[i].padded * per_param for i in u.chunks)
+            sum(self.chunks[i].padded * (size if self.chunks[i].frozen else per_param)
+                for i in u.chunks)
             for u in self.units) if self.units else 0  # a unit's parameters and gradients
-        per_shard = 4 * 4 if self.training else self.dtype.itemsize  # grad, master, 2 states
-        self.placer.floor[Tier.HOST] = max((c.shard_size * per_shard for c in self.chunks),
-                                           default=0)
+        per_shard = 4 * 4 if self.training else size  # grad, master, 2 states
+        self.placer.floor[Tier.HOST] = max(  # a frozen chunk is evicted through the host
+            (self.param[c.index].nbytes if c.frozen else c.shard_size * per_shard
+             for c in self.chunks), default=0)
         self.placer.check_budgets()
 
     # ---- construction --------------------------------------------------------------------
@@ -107,7 +120,8 @@ class ChunkGradSync(ChunkGrads, ChunkStep):
         for u in reversed(self.units):
             keys += [f"c{i}.{k}" for i in u.chunks for k in ("param", "grad")]
         for c in self.chunks:
-            keys += [f"c{c.index}.{k}" for k in ("grad", "master", "state", "param")]
+            if not c.frozen:
+                keys += [f"c{c.index}.{k}" for k in ("grad", "master", "state", "param")]
         return Trace(keys)
 
     def _make_payloads(self, c: ChunkLayout) -> None:
@@ -119,7 +133,7 @@ class ChunkGradSync(ChunkGrads, ChunkStep):
         param = self.store.allocate(f"c{c.index}.param", values.numel(), self.dtype, Tier.DEVICE)
         param.handle.copy_(values)
         param.viewed = True  # the parameters point into it while gathered
-        if self._param_is_master():
+        if c.frozen or self._param_is_master():  # frozen: no master, the weights alone
             master = param
         else:
             master = self.store.allocate(f"c{c.index}.master", shard.numel(), torch.float32,
@@ -167,22 +181,31 @@ class ChunkGradSync(ChunkGrads, ChunkStep):
                 for g in range(self._groups)]
 
     def place_homes(self, fractions: dict[str, float], host_budget: int | None) -> None:
-        """Static placement (``placement.static_homes``): parameters, then gradients, then
-        masters and optimizer states take the host budget in that order. Under zero 3 in fp32
-        the master is the parameter shard: the larger of the two fractions applies."""
+        """Static placement (``placement.static_homes``): parameters, then frozen weights (the
+        ``params`` share of their own bytes), then gradients, then masters and optimizer states
+        take the host budget in that order. Under zero 3 in fp32 the master is the parameter
+        shard: the larger of the two fractions applies."""
         host_left = [float("inf") if host_budget is None else float(host_budget)]
-        aliased = self.param[0] is self.master[0] if self.chunks else False
+        trained = [c.index for c in self.chunks if not c.frozen]
+        frozen = [c.index for c in self.chunks if c.frozen]
+        aliased = bool(trained) and self.param[trained[0]] is self.master[trained[0]]
         share = fractions.get("params", 0.0)
         if aliased:
             share = max(share, fractions.get("optim", 0.0))
-        homes = static_homes([p.nbytes for p in self.param], share, host_left)
-        self.grad_homes = static_homes([c.shard_size * 4 for c in self.chunks],
-                                       fractions.get("grads", 0.0), host_left)
+        homes = static_homes([self.param[i].nbytes for i in trained], share, host_left)
+        homes += static_homes([self.param[i].nbytes for i in frozen],
+                              fractions.get("params", 0.0), host_left)
+        grad_homes = static_homes([self.chunks[i].shard_size * 4 for i in trained],
+                                  fractions.get("grads", 0.0), host_left)
+        self.grad_homes = [Tier.DEVICE] * len(self.chunks)  # frozen chunks have none
+        for i, home in zip(trained, grad_homes):
+            self.grad_homes[i] = home
+        payloads = [self.param[i] for i in [*trained, *frozen]]
         if not aliased:
-            homes += static_homes([m.nbytes for m in self.master],
+            homes += static_homes([self.master[i].nbytes for i in trained],
                                   fractions.get("optim", 0.0), host_left)
+            payloads += [self.master[i] for i in trained]
         self.host_left = host_left  # what the optimizer's states may still take (first step)
-        payloads = self.param if aliased else [*self.param, *self.master]
         for payload, home in zip(payloads, homes):
             self.placer.home[payload.key] = home
             if payload.tier != home:
@@ -199,7 +222,7 @@ class ChunkGradSync(ChunkGrads, ChunkStep):
             unit.module.register_forward_hook(
                 lambda m, args, out, u=u: self._after_forward(u, out))
         for c in self.chunks:
-            for p in c.params:
+            for p in [] if c.frozen else c.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _before_forward(self, u: int) -> None:
@@ -232,7 +255,10 @@ class ChunkGradSync(ChunkGrads, ChunkStep):
         if torch.is_grad_enabled():
             outputs = _tensors(output)
             for t in outputs:
-                if t.requires_grad:
+                if t.grad_fn is not None:  # a node pre-hook runs after the tensor's hooks, so
+                    # the next unit's frozen weights are released before these are gathered
+                    t.grad_fn.register_prehook(lambda g, u=u: self._before_backward(u))
+                elif t.requires_grad:
                     t.register_hook(lambda g, u=u: self._before_backward(u))
             self.activations.note_outputs(sum(t.numel() * t.element_size() for t in outputs))
         for i in self.units[u].chunks:
@@ -250,6 +276,7 @@ class ChunkGradSync(ChunkGrads, ChunkStep):
             if i not in self._reduced:
                 self.gather(i)
                 self._held.add(i)
+        self._hold_frozen(u)
         self._prefetch_unit(u - 1)  # backward runs the units in reverse
 
     # ---- gather and release --------------------------------------------------------------

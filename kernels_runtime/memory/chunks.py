@@ -1,4 +1,5 @@
-"""Chunks: a model's trainable parameters packed into flat, fixed-size pieces in execution order.
+"""Chunks: a model's trainable parameters packed into flat, fixed-size pieces in execution order
+(and its frozen ones, as a group of their own: ``frozen_chunks.py``).
 
 Why chunks and not parameters: placement, movement and collectives work on a few large
 contiguous tensors instead of hundreds of small ones (one all-gather, one file, one optimizer
@@ -38,6 +39,7 @@ class ChunkLayout:
     numel: int
     padded: int  # numel rounded up to a multiple of dp
     dp: int
+    frozen: bool = False  # weights only (requires_grad False): no gradient, master or states
 
     shard_size = Bucket.shard_size
     shard_range = Bucket.shard_range
