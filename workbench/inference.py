@@ -101,10 +101,12 @@ class RemoteEngine:
                             f"the engine in a %%colossal cell ({self.name} = Engine(...))")
         return pool
 
-    def generate(self, prompts: Any, params: Any = None, *, show: bool = True,
-                 dashboard: str = "auto", timeout_s: float | None = None) -> list:
+    def generate(self, prompts: Any, params: Any = None, *, adapter: Any = None,
+                 show: bool = True, dashboard: str = "auto",
+                 timeout_s: float | None = None) -> list:
         """One ``RequestOutput`` per prompt (the same call as ``Engine.generate`` on every
-        rank); with ``show`` each request's text streams into the cell as it grows."""
+        rank, ``adapter`` naming LoRA adapters as there); with ``show`` each request's text
+        streams into the cell as it grows."""
         from workbench.magics import active_magics
         from workbench.serving.magic import guard_cell
 
@@ -112,7 +114,7 @@ class RemoteEngine:
         magics = active_magics()
         if magics is not None and magics.pool is pool:
             guard_cell(magics)  # the ranks run an endpoint's serving loop
-        pool.view().push({_ARGS: (prompts, params)}, block=True)
+        pool.view().push({_ARGS: (prompts, params, adapter)}, block=True)
         tokens = TokenView(show)
         live = LiveDashboard(list(range(pool.world_size)), mode=dashboard,
                              label=f"{self.name}.generate")

@@ -21,10 +21,10 @@ def _view(out: Any) -> dict[str, Any]:
             "finish_reason": out.finish_reason, "error": out.error}
 
 
-def generate_published(engine: Any, prompts: Any, params: Any = None,
+def generate_published(engine: Any, prompts: Any, params: Any = None, adapter: Any = None,
                        interval_s: float = 0.1) -> list:
-    """``engine.generate(prompts, params)``, publishing the progress of this replica's requests
-    at most every ``interval_s`` and once at the end."""
+    """``engine.generate(prompts, params, adapter=adapter)``, publishing the progress of this
+    replica's requests at most every ``interval_s`` and once at the end."""
     from ipyparallel.datapub import publish_data
 
     from kernels_runtime.inference import Engine
@@ -45,7 +45,7 @@ def generate_published(engine: Any, prompts: Any, params: Any = None,
             publish_data({GENERATION_KEY: dict(state)})
             last[0] = now
 
-    outputs = engine.generate(prompts, params, on_step=on_step)
+    outputs = engine.generate(prompts, params, adapter=adapter, on_step=on_step)
     if leader:
         publish_data({GENERATION_KEY: dict(state)})
     return outputs

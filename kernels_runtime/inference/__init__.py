@@ -9,7 +9,8 @@ requests at once from a paged KV cache with continuous batching and prefix shari
 The pieces, bottom to top: ``blocks`` (block pool, prefix index), ``kv_cache`` (the tensors),
 ``scheduler`` (what each step computes), ``batch`` (one step's flat row of tokens),
 ``attention`` (paged attention inside HF models), ``runner`` (a step through the parallelized
-model, pipeline stages included), ``sampling``, ``engine`` (the API).
+model, pipeline stages included), ``adapters`` (LoRA adapters mixed in one batch),
+``sampling``, ``engine`` (the API).
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ class StepBatch:
     sample_index: torch.Tensor  # (S,)
     sampled: list[Sequence]  # the S sequences that get a new token, in sample_index order
     spans: list[Span]
+    adapters: torch.Tensor | None = None  # (T,) each token's LoRA adapter slot; None: all base
 
     @property
     def num_tokens(self) -> int:
@@ -78,10 +79,11 @@ def build_batch(chunks: list[tuple[Sequence, int]], block_size: int,
                 device: torch.device) -> StepBatch:
     ids: list[int] = []
     positions, slots, spans, sample_index, sampled = [], [], [], [], []
-    row = 0
+    row, adapters = 0, []
     for seq, n in chunks:
         begin, end = seq.computed, seq.computed + n
         ids += seq.tokens[begin:end]
+        adapters += [seq.adapter] * n
         positions.append(torch.arange(begin, end))
         span, new = _span(seq, row, begin, end, block_size, device)
         spans.append(span)
@@ -95,4 +97,5 @@ def build_batch(chunks: list[tuple[Sequence, int]], block_size: int,
         positions=torch.cat(positions)[None].to(device),
         slots=torch.cat(slots).to(device),
         sample_index=torch.tensor(sample_index, dtype=torch.long, device=device),
-        sampled=sampled, spans=spans)
+        sampled=sampled, spans=spans,
+        adapters=torch.tensor(adapters, device=device) if any(a >= 0 for a in adapters) else None)

@@ -13,12 +13,13 @@ class Command:
     request_id: str = ""
     prompt: Any = None  # text or token ids (completion), or chat messages (chat)
     params: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
+    adapter: str | None = None  # the LoRA adapter's name (Engine(adapters=...)); None: base
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "request_id": self.request_id, "prompt": self.prompt,
-                "params": self.params}
+                "params": self.params, "adapter": self.adapter}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Command:
         return cls(data["kind"], data.get("request_id", ""), data.get("prompt"),
-                   dict(data.get("params") or {}))
+                   dict(data.get("params") or {}), data.get("adapter"))

@@ -4,7 +4,9 @@ The engine is built on every rank of a pool, like ``parallelize``: the model is 
 without an optimizer (``parallelize_model``: tensor-parallel heads, pipeline stages, weights on
 host or disk under an offloading plan), a paged KV cache is sized from ``kv_mem``, and each
 ``step()`` runs one forward over the tokens the scheduler picked (``scheduler.py``), samples the
-requests that reached the end of their tokens and retires the finished ones.
+requests that reached the end of their tokens and retires the finished ones. LoRA adapters
+(``adapters={name: folder}``) ride on the base weights, so requests naming different adapters,
+or none, share every step (``adapters.py``).
 
 Ranks of one replica (the tp x pp ranks sharing a dp coordinate) make the same calls with the
 same arguments and keep identical schedulers; only activations and the sampled tokens pass
@@ -19,7 +21,7 @@ import inspect
 import itertools
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -27,13 +29,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels_runtime.inference.adapters import AdapterSet
 from kernels_runtime.inference.attention import PagedLayer, install
 from kernels_runtime.inference.batch import build_batch
 from kernels_runtime.inference.blocks import BlockPool
 from kernels_runtime.inference.kv_cache import PagedKVCache, blocks_for, bytes_per_block
 from kernels_runtime.inference.params import RequestOutput, SamplingParams
 from kernels_runtime.inference.plans import inference_plan, inference_problem
-from kernels_runtime.inference.requests import RequestError, check_fits, check_params, prompt_ids
+from kernels_runtime.inference.requests import (
+    RequestError,
+    check_fits,
+    check_params,
+    prompt_ids,
+    prompt_ids_or_empty,
+)
 from kernels_runtime.inference.runner import ModelRunner
 from kernels_runtime.inference.sampling import new_generator, sample, stop_check
 from kernels_runtime.inference.scheduler import ScheduledStep, Scheduler
@@ -58,6 +67,7 @@ class Engine:
                  block_size: int = 16, max_num_seqs: int = 32, max_batch_tokens: int = 512,
                  max_model_len: int | None = None, prefix_sharing: bool = True,
                  preemption: str = "recompute", seed: int = 0, spill_dir: str | None = None,
+                 adapters: Mapping[str, str | os.PathLike] | None = None,
                  verbose: bool = True) -> None:
         from kernels_runtime.api import parallelize_model
 
@@ -78,6 +88,7 @@ class Engine:
             raise PlanError(problem)
         self.model, self.state, self.ctx = model.eval(), state, state.ctx
         self.tokenizer, self.block_size = tokenizer, block_size
+        self.adapters = AdapterSet(model, state, adapters)  # LoRA adapters by name
         attention, hidden = _attention_modules(model, state, max_model_len)
         config = model.config if attention is not None else None
         limit = getattr(config, "max_position_embeddings", None) or max_model_len or 2**31
@@ -132,14 +143,16 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: Any, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue one request; its id. A bad one is finished at once with its ``error``."""
+                    request_id: str | None = None, adapter: str | None = None) -> str:
+        """Queue one request, generated through LoRA ``adapter`` (a name given to the engine;
+        None: the base model); its id. A bad one is finished at once with its ``error``."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already running")
         self.totals["requests"] += 1
         try:
             params = check_params(params, self.tokenizer is not None)
+            slot = self.adapters.slot(adapter)
             ids = prompt_ids(prompt, self.tokenizer, self.vocab)
             check_fits(len(ids), params, self.max_model_len, self.block_size,
                        self.pool.num_blocks, self.kv_mem)
@@ -149,7 +162,7 @@ class Engine:
                                                error=str(err), finished_s=0.0))
             self.totals["errors"] += 1
             return request_id
-        seq = Sequence(request_id, list(ids), len(ids), params)
+        seq = Sequence(request_id, list(ids), len(ids), params, adapter=slot)
         seq.generator = new_generator(params, self.generator)
         seq.output.text = "" if self.tokenizer is not None else None
         if params.return_logits:
@@ -187,7 +200,8 @@ class Engine:
             return changed
         self._apply_cache_ops(step)
         batch = build_batch(step.chunks, self.block_size, self.ctx.device)
-        logits = self.runner.forward(batch)
+        with self.adapters.routing(batch.adapters):
+            logits = self.runner.forward(batch)
         tokens, logits = self._agree(batch.sampled, logits)
         self.scheduler.finish_chunks(step)
         now = time.perf_counter()
@@ -263,14 +277,15 @@ class Engine:
 
     # ---- whole calls ----------------------------------------------------------------------
     def generate(self, prompts: Seq[Any] | str, params: SamplingParams | Seq[SamplingParams]
-                 | None = None, *,
+                 | None = None, *, adapter: str | Seq[str | None] | None = None,
                  on_step: Callable[[list[RequestOutput]], None] | None = None
                  ) -> list[RequestOutput]:
         """Every prompt's output, in order, on every rank (prompts are dealt over the dp
-        replicas). ``params`` is one for all or one per prompt; ``on_step`` is called with
-        this replica's outputs that changed, after every step (to stream them elsewhere)."""
+        replicas). ``params`` and ``adapter`` (a LoRA adapter's name, None for the base) are
+        one for all or one per prompt; ``on_step`` is called with this replica's outputs that
+        changed, after every step (to stream them elsewhere)."""
         mine = []
-        for changed in self._steps(prompts, params):
+        for changed in self._steps(prompts, params, adapter):
             mine += [o for o in changed if o.finished]
             if on_step is not None and changed:
                 on_step(changed)
@@ -282,15 +297,17 @@ class Engine:
         return sorted((o for part in gathered for o in part), key=_index)
 
     def stream(self, prompts: Seq[Any] | str, params: SamplingParams | Seq[SamplingParams]
-               | None = None) -> Iterator[RequestOutput]:
+               | None = None, adapter: str | Seq[str | None] | None = None
+               ) -> Iterator[RequestOutput]:
         """This replica's outputs as they change, step by step (the same object for a request
         each time: read it, or copy it to keep a snapshot). Request ids end in the prompt's
         index."""
-        for changed in self._steps(prompts, params):
+        for changed in self._steps(prompts, params, adapter):
             yield from changed
 
     def _steps(self, prompts: Seq[Any] | str,
-               params: SamplingParams | Seq[SamplingParams] | None
+               params: SamplingParams | Seq[SamplingParams] | None,
+               adapter: str | Seq[str | None] | None = None
                ) -> Iterator[list[RequestOutput]]:
         """Add this replica's share of the prompts, then step until they are all finished;
         each step's changed outputs among them."""
@@ -298,13 +315,15 @@ class Engine:
             prompts = [prompts]
         if not isinstance(params, (list, tuple)):
             params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give "
-                             "one for all or one per prompt")
+        adapters = adapter if isinstance(adapter, (list, tuple)) else [adapter] * len(prompts)
+        for given, what in ((params, "SamplingParams"), (adapters, "adapter names")):
+            if len(given) != len(prompts):
+                raise ValueError(f"{len(given)} {what} for {len(prompts)} prompts; give one "
+                                 "for all or one per prompt")
         call = next(self._ids)
         dp, me = self.ctx.dp_size, self.ctx.dp_rank
-        pending = {self.add_request(p, s, request_id=f"gen{call}-{i}")
-                   for i, (p, s) in enumerate(zip(prompts, params)) if i % dp == me}
+        pending = {self.add_request(p, s, request_id=f"gen{call}-{i}", adapter=a)
+                   for i, (p, s, a) in enumerate(zip(prompts, params, adapters)) if i % dp == me}
         self.ctx.telemetry.pause()
         while pending:
             changed = [o for o in self.step() if o.request_id in pending]
@@ -335,18 +354,6 @@ class Engine:
         """Bytes of weights per tier (device, host, disk) under an offloading plan."""
         tiers = getattr(self.state.model_state, "tier_bytes", None)
         return dict(tiers()) if tiers is not None else None
-
-
-def prompt_ids_or_empty(prompt: Any, tokenizer: Any) -> list[int]:
-    """The prompt's ids where they can be read (for a rejected request's output)."""
-    try:
-        if isinstance(prompt, str):
-            return list(tokenizer.encode(prompt)) if tokenizer is not None else []
-        if isinstance(prompt, torch.Tensor):
-            return [int(i) for i in prompt.flatten().tolist()]
-        return [i for i in prompt if isinstance(i, int)]
-    except Exception:  # noqa: BLE001 - a rejected request's echo is best effort
-        return []
 
 
 def _attention_modules(model: nn.Module, state: Any,

@@ -77,3 +77,15 @@ def check_params(params: Any, has_tokenizer: bool) -> SamplingParams:
     if problem:
         raise RequestError(problem)
     return params
+
+
+def prompt_ids_or_empty(prompt: Any, tokenizer: Any) -> list[int]:
+    """The prompt's ids where they can be read (for a rejected request's output)."""
+    try:
+        if isinstance(prompt, str):
+            return list(tokenizer.encode(prompt)) if tokenizer is not None else []
+        if isinstance(prompt, torch.Tensor):
+            return [int(i) for i in prompt.flatten().tolist()]
+        return [i for i in prompt if isinstance(i, int)]
+    except Exception:  # noqa: BLE001 - a rejected request's echo is best effort
+        return []

@@ -201,7 +201,7 @@ class Scheduler:
         """Full blocks of ``seq``'s tokens already in the cache become its first blocks. At
         least the last token is computed again (its logits are needed), in a copy of its block
         if that block is shared."""
-        size, previous = self.block_size, 0
+        size, previous = self.block_size, seq.prefix_root
         seq.hashes = []
         for start in range(0, len(seq.tokens) - size + 1, size):
             block, h = self.pool.lookup(previous, seq.tokens[start:start + size])
@@ -219,7 +219,7 @@ class Scheduler:
     def _index_full_blocks(self, seq: Sequence) -> None:
         size = self.block_size
         for i in range(len(seq.hashes), seq.computed // size):
-            previous = seq.hashes[i - 1] if i else 0
+            previous = seq.hashes[i - 1] if i else seq.prefix_root
             seq.hashes.append(self.pool.register(seq.blocks[i], previous,
                                                  seq.tokens[i * size:(i + 1) * size]))
 

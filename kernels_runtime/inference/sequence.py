@@ -35,6 +35,7 @@ class Sequence:
     swapped_out_blocks: list[int] = field(default_factory=list)  # the blocks they came from
     preemptions: int = 0
     prefix_hit_tokens: int = 0  # prompt tokens found in shared blocks (not computed)
+    adapter: int = -1  # the slot of its LoRA adapter (adapters.py); -1: the base model
     output: RequestOutput = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -54,6 +55,12 @@ class Sequence:
     @property
     def in_prefill(self) -> bool:
         return self.to_compute > 1
+
+    @property
+    def prefix_root(self) -> int:
+        """The key its first block's prefix hash starts from: the same tokens under another
+        adapter have other keys and values, so they must never share blocks."""
+        return 0 if self.adapter < 0 else hash(("adapter", self.adapter))
 
     def total_len_bound(self) -> int:
         """The most tokens this request can ever hold in the cache."""

@@ -104,7 +104,8 @@ def serve(engine: Any, receive: Callable[[float], list[Command]] | None,
                     else chat_prompt(engine.tokenizer, command.prompt)
                 stop_strings[command.request_id] = params.stop_strings \
                     if isinstance(params.stop, (str, list, tuple)) else ()
-                engine.add_request(prompt, params, request_id=command.request_id)
+                engine.add_request(prompt, params, request_id=command.request_id,
+                                   adapter=command.adapter)
         if stopping and not engine.has_unfinished():
             if idle_figures_due:
                 ctx.telemetry.flush()

@@ -6,7 +6,10 @@ by token), ``/v1/models``, ``/health`` (503 with the reason when the ranks canno
 Bearer ...``) unless the endpoint was started without one. A response starts only once the
 request's first token (or its error) is back, so a request the engine refuses is a 400 with
 the engine's message even when streaming was asked for. A client that goes away mid-stream
-aborts its request, which frees its KV blocks.
+aborts its request, which frees its KV blocks. A request's ``model`` names the base model or
+one of the engine's LoRA adapters (as vLLM's ``--lora-modules``): requests naming different
+adapters share the engine's batches; ``/v1/models`` lists each adapter with the base as its
+``parent``.
 """
 
 from __future__ import annotations
@@ -50,13 +53,17 @@ def create_app(server: Any) -> FastAPI:
         except ValueError as err:
             raise ApiError(400, f"the request body is not valid JSON: {err}") from None
 
-    def check_model(body: Any) -> None:
+    def check_model(body: Any) -> str | None:
+        """The LoRA adapter the body's ``model`` names (vLLM's ``--lora-modules`` way), None
+        for the base model (named, or ``model`` left out)."""
         model = body.get("model") if isinstance(body, dict) else None
-        if model is None:
-            raise ApiError(400, "model is required", "model")
-        if model != server.model_id:
-            raise ApiError(404, f"the model {model!r} does not exist; this endpoint serves "
-                                f"{server.model_id!r}", "model", code="model_not_found")
+        if model is None or model == server.model_id:
+            return None
+        if model in server.adapters:
+            return model
+        served = ", ".join(repr(m) for m in [server.model_id, *server.adapters])
+        raise ApiError(404, f"the model {model!r} does not exist; this endpoint serves "
+                            f"{served}", "model", code="model_not_found")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -76,34 +83,36 @@ def create_app(server: Any) -> FastAPI:
     async def models(request: Request) -> JSONResponse:
         authorize(request)
         server.metrics.requests.labels("/v1/models", "200").inc()
-        return JSONResponse({"object": "list", "data": [
-            {"id": server.model_id, "object": "model", "created": server.created,
-             "owned_by": "colossal-workbench"}]})
+        base = {"id": server.model_id, "object": "model", "created": server.created,
+                "owned_by": "colossal-workbench", "root": server.model_id, "parent": None}
+        adapters = [{**base, "id": name, "root": name, "parent": server.model_id}
+                    for name in server.adapters]  # as vLLM lists its LoRA modules
+        return JSONResponse({"object": "list", "data": [base, *adapters]})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         authorize(request)
         body = await body_of(request)
         prompt, params = api.completion_request(body)
-        check_model(body)
-        return await respond(request, "completion", prompt, params, body)
+        adapter = check_model(body)
+        return await respond(request, "completion", prompt, params, body, adapter)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         authorize(request)
         body = await body_of(request)
         messages, params = api.chat_request(body)
-        check_model(body)
-        return await respond(request, "chat", messages, params, body)
+        adapter = check_model(body)
+        return await respond(request, "chat", messages, params, body, adapter)
 
     async def respond(request: Request, kind: str, prompt: Any, params: dict[str, Any],
-                      body: dict[str, Any]) -> Response:
+                      body: dict[str, Any], adapter: str | None) -> Response:
         reason = server.unavailable()
         if reason:
             raise ApiError(503, reason, kind="unavailable")
         server.active += 1  # until its response ends: what --stop drains
         try:
-            response = await answer(request, kind, prompt, params, body)
+            response = await answer(request, kind, prompt, params, body, adapter)
         except BaseException:
             server.active -= 1
             raise
@@ -112,10 +121,11 @@ def create_app(server: Any) -> FastAPI:
         return response
 
     async def answer(request: Request, kind: str, prompt: Any, params: dict[str, Any],
-                     body: dict[str, Any]) -> Response:
+                     body: dict[str, Any], adapter: str | None) -> Response:
         route = request.url.path
         rid = api.new_id(kind)
-        queue = server.bridge.submit(Command(kind, rid, prompt, params))
+        model = adapter or server.model_id  # the answer names what answered
+        queue = server.bridge.submit(Command(kind, rid, prompt, params, adapter))
         first = await queue.get()
         if first.get("error"):
             server.bridge.abort(rid)
@@ -126,7 +136,8 @@ def create_app(server: Any) -> FastAPI:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             server.metrics.requests.labels(route, "200").inc()
             return StreamingResponse(
-                stream(kind, rid, first, queue, include_usage), media_type="text/event-stream",
+                stream(kind, rid, model, first, queue, include_usage),
+                media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         delta, text = first, first.get("text") or ""
         while delta.get("finish_reason") is None:
@@ -137,21 +148,21 @@ def create_app(server: Any) -> FastAPI:
         server.metrics.requests.labels(route, "200").inc()
         counts = (delta["prompt_tokens"], delta["completion_tokens"])
         build = api.completion_body if kind == "completion" else api.chat_body
-        return JSONResponse(build(rid, server.model_id, text, delta["finish_reason"], counts))
+        return JSONResponse(build(rid, model, text, delta["finish_reason"], counts))
 
-    async def stream(kind: str, rid: str, first: dict[str, Any], queue: asyncio.Queue,
-                     include_usage: bool) -> AsyncIterator[bytes]:
+    async def stream(kind: str, rid: str, model: str, first: dict[str, Any],
+                     queue: asyncio.Queue, include_usage: bool) -> AsyncIterator[bytes]:
         delta, done = first, False
         try:
             if kind == "chat":
-                yield _event(api.chat_chunk(rid, server.model_id, {"role": "assistant"}, None))
+                yield _event(api.chat_chunk(rid, model, {"role": "assistant"}, None))
             while True:
                 reason = delta.get("finish_reason")
                 text = delta.get("text") or ""
                 if text or reason is not None:
-                    chunk = api.completion_chunk(rid, server.model_id, text, reason) \
+                    chunk = api.completion_chunk(rid, model, text, reason) \
                         if kind == "completion" else \
-                        api.chat_chunk(rid, server.model_id, {"content": text} if text else {},
+                        api.chat_chunk(rid, model, {"content": text} if text else {},
                                        reason)
                     yield _event(chunk)
                 if reason is not None:
@@ -160,7 +171,7 @@ def create_app(server: Any) -> FastAPI:
                 delta = await queue.get()
             if include_usage:
                 yield _event({"id": rid, "object": "text_completion" if kind == "completion"
-                              else "chat.completion.chunk", "model": server.model_id,
+                              else "chat.completion.chunk", "model": model,
                               "choices": [], "usage": api.usage(delta["prompt_tokens"],
                                                                 delta["completion_tokens"])})
             yield b"data: [DONE]\n\n"

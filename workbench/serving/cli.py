@@ -2,6 +2,7 @@
 
     workbench serve --model DIR [--plan "tp=2"] [--pool-size N] [--port 8000] [--host 127.0.0.1]
                     [--api-key K | --no-api-key] [--kv-mem 256MiB] [--model-name NAME]
+                    [--lora NAME=DIR ...]
 
 The pool starts, every rank loads its pieces of the model (``load_pretrained``: a meta model
 filled shard-wise from the safetensors, so a host holds about one copy of the weights, not one
@@ -10,6 +11,9 @@ and builds the engine under the plan, and the endpoint serves until SIGINT or
 SIGTERM, which drain the requests in flight before the pool stops. The same ``Server`` as
 ``%colossal serve``; only who starts it differs. Without ``--plan`` the plan fits the pool
 (``fit.py``); a plan that cannot work is one line on stderr and exit status 2.
+``--lora NAME=DIR`` (repeatable) loads a peft LoRA adapter folder into the engine: a request
+whose ``model`` is NAME is generated through it, beside requests for the base model and other
+adapters in the same batches.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ if any(folder.glob("*.safetensors")):  # each rank reads and holds only its piec
     model = load_pretrained(folder, ctx=ctx, verbose=False)
 else:  # weights in another format: a whole copy per rank, then the plan cuts it
     model = AutoModelForCausalLM.from_pretrained(folder)
-engine = Engine(model, ctx=ctx, tokenizer=tokenizer, kv_mem={kv_mem!r}, verbose=False)
+engine = Engine(model, ctx=ctx, tokenizer=tokenizer, kv_mem={kv_mem!r}, adapters={adapters!r},
+                verbose=False)
 """
 
 
@@ -64,6 +69,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-mem", default=None, help="KV cache per rank, e.g. 256MiB")
     p.add_argument("--model-name", default=None, help="the id clients name (default: the "
                                                       "folder's name)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                   help="a peft LoRA adapter folder clients name as model=NAME (repeatable)")
     p.set_defaults(func=run)
 
 
@@ -79,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"{folder} is not a model folder (no config.json; write one with "
                      "model.save_pretrained(folder))")
     try:
+        args.adapters = lora_modules(args.lora, args.model_name or folder.name)
         config = fit.folder_config(folder)
         plan, size = fit.requested(args.plan, args.pool_size, config)
         check_port(args.host, args.port)
@@ -116,7 +124,8 @@ def _serve(pool: Any, folder: Path, plan: str, args: argparse.Namespace) -> Any:
     from workbench.serving.keys import new_key
     from workbench.serving.server import Server
 
-    run_cell(pool, BUILD.format(folder=str(folder), plan=plan, kv_mem=args.kv_mem),
+    run_cell(pool, BUILD.format(folder=str(folder), plan=plan, kv_mem=args.kv_mem,
+                                adapters=args.adapters),
              stream=lambda rank, name, text: rank == 0 and print(text, end=""),
              display=lambda rank, content: None)
     key, where = (None, None) if args.no_api_key else new_key(args.port, args.api_key)
@@ -128,9 +137,30 @@ def _serve(pool: Any, folder: Path, plan: str, args: argparse.Namespace) -> Any:
         server.stop()  # what started of it (the ranks' loop, the bridge) stops with it
         raise
     auth = f"API key in {where}" if key else "no API key"
-    print(f"serving {server.model_id} at {server.url} ({pool.world_size} ranks, plan "
+    loras = f" with LoRA adapters {', '.join(server.adapters)}" if server.adapters else ""
+    print(f"serving {server.model_id}{loras} at {server.url} ({pool.world_size} ranks, plan "
           f"{plan}); {auth}. Ctrl-C drains and stops.", flush=True)
     return server
+
+
+def lora_modules(given: list[str], model_name: str) -> dict[str, str]:
+    """``--lora NAME=DIR`` values as {name: folder}, checked before any pool starts."""
+    out: dict[str, str] = {}
+    for value in given:
+        name, sep, where = value.partition("=")
+        if not sep or not name or not where:
+            raise ValueError(f"--lora {value!r}: give NAME=DIR, e.g. --lora sql=./sql-adapter")
+        if name == model_name or name in out:
+            raise ValueError(f"--lora {value!r}: the name {name!r} is already taken (by the "
+                             f"{'base model' if name == model_name else 'adapter before'}); "
+                             "give each adapter a name of its own")
+        folder = Path(where).resolve()
+        if not (folder / "adapter_config.json").exists():
+            raise ValueError(f"--lora {value!r}: {folder} is not a peft adapter folder (no "
+                             "adapter_config.json; write one with "
+                             "PeftModel.save_pretrained(folder))")
+        out[name] = str(folder)
+    return out
 
 
 def _rank_memory(pool: Any) -> list[dict[str, Any]]:

@@ -14,8 +14,9 @@ from kernels_runtime.inference.commands import Command
 
 
 @interactive
-def describe_engine(name: str) -> int | str:
-    """This rank's data-parallel replica of the engine ``name``, or what the name holds."""
+def describe_engine(name: str) -> dict[str, Any] | str:
+    """This rank's data-parallel replica of the engine ``name`` and the names of its LoRA
+    adapters (``{"replica", "adapters"}``), or what the name holds."""
     from kernels_runtime.inference import Engine
 
     value = globals().get(name)
@@ -23,7 +24,7 @@ def describe_engine(name: str) -> int | str:
         return "not defined" if value is None else f"a {type(value).__name__}"
     if value.tokenizer is None:
         return "an Engine without a tokenizer (the API answers in text)"
-    return int(value.ctx.dp_rank)
+    return {"replica": int(value.ctx.dp_rank), "adapters": list(value.adapters.names)}
 
 
 def serve_engine(engine: Any, address: str, secret: str) -> str:

@@ -56,6 +56,7 @@ class Server:
                  host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None) -> None:
         self.pool, self.engine, self.host, self.port = pool, engine, host, port
         self.model_id = model_id or engine
+        self.adapters: list[str] = []  # LoRA adapters' names, read from the engine at start
         self.api_key = api_key
         self.created = int(time.time())
         self.metrics = Metrics()
@@ -118,7 +119,8 @@ class Server:
         return self
 
     def _check_engine(self) -> int:
-        """Every rank holds an ``Engine`` under the name; how many replicas it has."""
+        """Every rank holds an ``Engine`` under the name; how many replicas it has. The LoRA
+        adapters it serves become ``adapters`` (the names clients give as ``model``)."""
         from workbench.serving.rank_side import describe_engine
 
         found = self.pool.view().apply_sync(describe_engine, self.engine)
@@ -128,7 +130,8 @@ class Server:
             raise PoolError(f"`{self.engine}` on rank {rank} is {what}; serve an inference "
                             f"Engine with a tokenizer, built in a %%colossal cell first "
                             f"({self.engine} = Engine(model, plan, tokenizer=...))")
-        return max(found) + 1
+        self.adapters = list(found[0]["adapters"])
+        return max(f["replica"] for f in found) + 1
 
     def _serve_http(self) -> None:
         import asyncio
