@@ -1,5 +1,5 @@
-"""The ``workbench`` command: run the demo, execute notebooks headless, open JupyterLab,
-serve a model, prepare a real model offline."""
+"""The ``workbench`` command: run the demo (notebooks, then a LoRA fine-tune of a real model),
+execute notebooks headless, open JupyterLab, serve a model, prepare a real model offline."""
 
 from __future__ import annotations
 
@@ -32,10 +32,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return 2
     args.notebooks, args.save = DEMO_NOTEBOOKS, None
     code = _cmd_run(args)
-    if code == 0:
-        print("\nOpen the playground (these notebooks, the Colossal sidebar, live dashboards): "
-              "`make lab` or `workbench lab`")
-    return code
+    if code != 0:
+        return code
+    print("\nOpen the playground (these notebooks, the Colossal sidebar, live dashboards): "
+          "`make lab` or `workbench lab`")
+    if args.no_finetune:
+        return 0
+    from workbench.demo import finetune_demo
+
+    try:  # last, so the demo ends with a real model's answer beside the base model's
+        finetune_demo(steps=args.finetune_steps)
+    except ImportError as err:  # an install without the extras make demo installs
+        print(f"\nthe fine-tuning part needs {err.name or err}: pip install peft datasets "
+              '"colossal-workbench[real]" (or run with --no-finetune)', file=sys.stderr)
+        return 1
+    return 0
 
 
 def lab_command(args: argparse.Namespace) -> list[str]:
@@ -84,8 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"colossal-workbench {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
-        "demo", help="run the quickstart and GPT-2 pretraining notebooks on a 2-rank pool")
+        "demo", help="run the quickstart and GPT-2 pretraining notebooks on a 2-rank pool, "
+        "then fine-tune SmolLM2-135M-Instruct with LoRA and show its answer beside the base's")
     demo.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    demo.add_argument("--finetune-steps", type=int, default=12,
+                      help="LoRA steps on the real model at the end (default 12)")
+    demo.add_argument("--no-finetune", action="store_true",
+                      help="skip the fine-tuning part (it converts SmolLM2 on first use)")
     demo.set_defaults(func=_cmd_demo)
     run = sub.add_parser("run", help="execute notebooks headless, printing their output")
     run.add_argument("notebooks", nargs="+", type=Path)

@@ -26,10 +26,12 @@ class RankFit:
     ranks: int
     why: str
     memory: int  # bytes available to this notebook's processes
+    rank_memory: float = RANK_MEMORY
+    base_memory: float = BASE_MEMORY
 
     def need_gib(self, ranks: int) -> float:
-        """GiB of memory a pool of ``ranks`` needs beside the notebook's own processes."""
-        return (BASE_MEMORY + ranks * RANK_MEMORY) / GIB
+        """GiB of memory the notebook's processes and a pool of ``ranks`` need."""
+        return (self.base_memory + ranks * self.rank_memory) / GIB
 
     def __str__(self) -> str:
         return f"{self.ranks} rank{'s' if self.ranks != 1 else ''} ({self.why})"
@@ -51,19 +53,23 @@ def memory_limit() -> int:
     return limit
 
 
-def fit_ranks(*choices: int, memory: int | None = None) -> RankFit:
+def fit_ranks(*choices: int, memory: int | None = None, rank_gib: float = RANK_MEMORY / GIB,
+              base_gib: float = BASE_MEMORY / GIB) -> RankFit:
     """The largest of ``choices`` (rank counts, e.g. ``fit_ranks(8, 4, 2)``) whose pool fits
     in ``memory`` (default: ``memory_limit()``); the smallest choice when none fits, since a
-    notebook runs its smallest plan anyway. ``WORKBENCH_RANKS`` wins over both."""
+    notebook runs its smallest plan anyway. ``WORKBENCH_RANKS`` wins over both. ``rank_gib``:
+    what one rank of this notebook holds (more where each rank loads a real model);
+    ``base_gib``: the kernel, controller and Jupyter server."""
     if not choices or any(not isinstance(n, int) or n < 1 for n in choices):
         raise ValueError(f"fit_ranks takes rank counts >= 1, e.g. fit_ranks(4, 2); got "
                          f"{choices!r}")
     memory = memory_limit() if memory is None else memory
+    sizes = {"rank_memory": rank_gib * GIB, "base_memory": base_gib * GIB}
     chosen = os.environ.get("WORKBENCH_RANKS")
     if chosen:
         if not chosen.isdigit() or int(chosen) < 1:
             raise ValueError(f"WORKBENCH_RANKS={chosen!r}: set it to a rank count, e.g. 2")
-        return RankFit(int(chosen), f"WORKBENCH_RANKS={chosen}", memory)
-    fitting = [n for n in choices if memory >= BASE_MEMORY + n * RANK_MEMORY]
+        return RankFit(int(chosen), f"WORKBENCH_RANKS={chosen}", memory, **sizes)
+    fitting = [n for n in choices if memory >= (base_gib + n * rank_gib) * GIB]
     return RankFit(max(fitting) if fitting else min(choices),
-                   f"{memory / GIB:.1f} GiB of memory", memory)
+                   f"{memory / GIB:.1f} GiB of memory", memory, **sizes)

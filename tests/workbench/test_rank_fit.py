@@ -17,6 +17,8 @@ def test_the_largest_choice_that_fits_else_the_smallest(monkeypatch):
     assert fit_ranks(8, 4, 2, memory=64 * GIB).ranks == 8
     assert fit_ranks(2, 1, memory=1 * GIB).ranks == 1
     assert str(fit_ranks(2, 1, memory=1 * GIB)) == "1 rank (1.0 GiB of memory)"
+    real = fit_ranks(2, 1, memory=2 * GIB, rank_gib=1.2, base_gib=0.6)  # a real model a rank
+    assert real.ranks == 1 and real.need_gib(2) == pytest.approx(3.0)
     assert memory_limit() > 0 and fit_ranks(2, 1).memory == memory_limit()
 
 
