@@ -7,4 +7,4 @@ a benchmark but the one prepared check of the GPU path (it reports "skipped" wit
 
 BENCHMARKS = ("magic_overhead", "data_parallel", "planner", "tensor_parallel",
               "tensor_parallel_grid", "sequence_parallel", "pipeline", "memory", "inference",
-              "serving", "loading", "gpu_check")
+              "serving", "loading", "finetune", "gpu_check")
