@@ -115,9 +115,9 @@ def measure_on_rank(rank: int, world: int, folder: str, plan: str, seq: int) -> 
     frozen_bytes = _storages(frozen)
     frozen_grads = sum(1 for p in frozen if p.grad is not None)
     sync = bopt.sync
-    # the runtime's breakdown counts its buckets (zero 0-2: trainable parameters only) or every
-    # parameter of the model (FSDP2 at zero 3): frozen bytes are added where it left them out
-    counted_frozen = type(sync).__name__ == "FsdpGradSync"
+    # every GradSync counts the frozen weights in "params" (its buckets or shards and the
+    # parameters outside them); the column stays, so a sync that left them out would show
+    counted_frozen = True
     live = _storages([*params, *(p.grad for p in params),
                       *optimizer_state_tensors(bopt.inner),
                       *getattr(sync, "masters", []), *getattr(sync, "_grad_store", [])])

@@ -122,6 +122,8 @@ class ZeroGradSync(GradSync):
                 _cast_bucket(b, self.dtype)
             cast_params(model, self.dtype)
         self._grad_store = [self._make_grad_store(b) for b in self.buckets]
+        # outside every bucket: counted as model state (a LoRA base is most of it)
+        self._frozen = [p for p in model.parameters() if not p.requires_grad]
         self._groups = len(groups)
         self._slot = {id(p): (b.index, off) for b in self.buckets
                       for p, off in zip(b.params, b.offsets)}
@@ -310,7 +312,7 @@ class ZeroGradSync(GradSync):
         return out
 
     def memory_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        params = tensor_bytes([b.flat_param for b in self.buckets])
+        params = tensor_bytes([b.flat_param for b in self.buckets] + self._frozen)
         grads = tensor_bytes(self._grad_store)
         masters = [m for b, m in zip(self.buckets, self.masters)
                    if m.untyped_storage().data_ptr() != b.flat_param.untyped_storage().data_ptr()]
