@@ -16,11 +16,21 @@ DEMO_NOTEBOOKS = [REPO_ROOT / "notebooks" / name
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from workbench.notebook_runner import run_notebook
+    from workbench.notebook_runner import ParameterError, parse_parameter, run_notebook
 
+    try:
+        parameters = dict(parse_parameter(p) for p in getattr(args, "parameters", None) or [])
+    except ParameterError as err:
+        print(f"workbench run: {err}", file=sys.stderr)
+        return 2
     for path in args.notebooks:
         print(f"== running {path}", flush=True)
-        run_notebook(path, timeout_s=args.timeout, save_to=args.save)
+        try:
+            run_notebook(path, timeout_s=args.timeout, save_to=args.save,
+                         parameters=parameters)
+        except ParameterError as err:  # parameters the notebook does not take
+            print(f"workbench run {path}: {err}", file=sys.stderr)
+            return 2
     return 0
 
 
@@ -107,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("notebooks", nargs="+", type=Path)
     run.add_argument("--timeout", type=int, default=900, help="seconds per cell")
     run.add_argument("--save", type=Path, default=None, help="write the executed notebook here")
+    run.add_argument("-p", "--parameter", action="append", dest="parameters", default=[],
+                     metavar="NAME=VALUE", help="repeatable: set a variable of the cell tagged "
+                     "'parameters' (papermill's convention), e.g. -p STEPS=20")
     run.set_defaults(func=_cmd_run)
     lab = sub.add_parser(
         "lab", help="open JupyterLab on the notebooks with the Colossal sidebar; other "

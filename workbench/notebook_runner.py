@@ -2,10 +2,15 @@
 
 Used by ``workbench demo``/``workbench run`` and by the tests, so the notebooks users open are
 the notebooks CI executes. Widget state is not stored (it would add megabytes per notebook).
+
+Parameters work as papermill's do, so a notebook becomes an unattended job: the cell tagged
+``parameters`` holds the defaults, and ``workbench run NB -p STEPS=1000`` runs a copy with a cell
+assigning the new values inserted right after it (tagged ``injected-parameters``).
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import sys
 from pathlib import Path
@@ -27,6 +32,52 @@ def _output_text(output: dict[str, Any]) -> str:
     return ""
 
 
+class ParameterError(ValueError):
+    """A ``-p`` the notebook cannot take (raised before any cell runs)."""
+
+
+def parse_parameter(text: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` from the command line: a Python literal (``20``, ``3e-4``, ``"x"``,
+    ``[1, 2]``), else the text itself as a string."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name.strip().isidentifier():
+        raise ParameterError(f"-p {text!r}: write NAME=VALUE, e.g. -p STEPS=20")
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw
+    return name.strip(), value
+
+
+def inject_parameters(nb: nbformat.NotebookNode, parameters: dict[str, Any]) -> None:
+    """Insert a cell assigning ``parameters`` after the cell tagged ``parameters``; each name
+    must be one that cell assigns (a typo would otherwise be silently ignored)."""
+    tagged = [i for i, c in enumerate(nb.cells)
+              if "parameters" in c.get("metadata", {}).get("tags", [])]
+    if not tagged:
+        raise ParameterError("this notebook has no cell tagged 'parameters': tag the cell holding "
+                         "its defaults (JupyterLab: the property inspector, Add Tag)")
+    cell = nb.cells[tagged[0]]
+    known = {t.id for node in ast.walk(ast.parse(cell.source))
+             if isinstance(node, ast.Assign) for t in _targets(node)}
+    unknown = sorted(set(parameters) - known)
+    if unknown:
+        raise ParameterError(f"-p {', '.join(unknown)}: not a parameter of this notebook; its "
+                         f"parameters cell assigns {', '.join(sorted(known))}")
+    source = "# injected by workbench run -p\n" + "".join(
+        f"{name} = {value!r}\n" for name, value in parameters.items())
+    injected = nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]})
+    nb.cells.insert(tagged[0] + 1, injected)
+
+
+def _targets(node: ast.Assign) -> list[ast.Name]:
+    names = []
+    for target in node.targets:
+        elements = target.elts if isinstance(target, ast.Tuple) else [target]
+        names += [e for e in elements if isinstance(e, ast.Name)]
+    return names
+
+
 def run_notebook(
     path: str | os.PathLike[str],
     *,
@@ -35,11 +86,15 @@ def run_notebook(
     save_to: str | os.PathLike[str] | None = None,
     kernel_name: str = "python3",
     workdir: str | os.PathLike[str] | None = None,
+    parameters: dict[str, Any] | None = None,
 ) -> nbformat.NotebookNode:
     """Run every cell of ``path`` in a fresh kernel (started in ``workdir``, default: the
-    notebook's folder); raise on the first error."""
+    notebook's folder) with ``parameters`` injected (module docstring); raise on the first
+    error."""
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
+    if parameters:
+        inject_parameters(nb, parameters)
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")
     client = NotebookClient(
         nb,
