@@ -34,6 +34,26 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export_script(args: argparse.Namespace) -> int:
+    import nbformat
+
+    from workbench.export_script import export_script
+    from workbench.notebook_runner import ParameterError, inject_parameters, parse_parameter
+
+    nb = nbformat.read(args.notebook, as_version=4)
+    try:
+        parameters = dict(parse_parameter(p) for p in args.parameters)
+        if parameters:
+            inject_parameters(nb, parameters)
+    except ParameterError as err:
+        print(f"workbench export-script: {err}", file=sys.stderr)
+        return 2
+    out = args.output or args.notebook.with_suffix(".py")
+    out.write_text(export_script(nb, args.notebook.name, out.name, args.ranks))
+    print(f"wrote {out}: torchrun --nproc-per-node={args.ranks} {out}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     missing = [str(p) for p in DEMO_NOTEBOOKS if not p.exists()]
     if missing:
@@ -121,6 +141,15 @@ def main(argv: list[str] | None = None) -> int:
                      metavar="NAME=VALUE", help="repeatable: set a variable of the cell tagged "
                      "'parameters' (papermill's convention), e.g. -p STEPS=20")
     run.set_defaults(func=_cmd_run)
+    export = sub.add_parser(
+        "export-script", help="write a notebook's %%%%colossal cells as a torchrun script")
+    export.add_argument("notebook", type=Path)
+    export.add_argument("-o", "--output", type=Path, default=None,
+                        help="the script (default: the notebook's name with .py)")
+    export.add_argument("-p", "--parameter", action="append", dest="parameters", default=[],
+                        metavar="NAME=VALUE", help="as workbench run's")
+    export.add_argument("--ranks", type=int, default=2, help="the torchrun line's rank count")
+    export.set_defaults(func=_cmd_export_script)
     lab = sub.add_parser(
         "lab", help="open JupyterLab on the notebooks with the Colossal sidebar; other "
         "arguments (e.g. --ServerApp.token=...) go to JupyterLab")

@@ -1,9 +1,12 @@
-"""``workbench run NB -p NAME=VALUE``: a notebook as a job with papermill-style parameters.
+"""From notebook to job: ``workbench run NB -p NAME=VALUE`` (papermill-style parameters) and
+``workbench export-script NB`` (its ``%%colossal`` cells as a torchrun script).
 
 Fast: values parse as Python literals, the injected cell follows the cell tagged
 ``parameters``, and a name that cell does not assign (or a notebook without one) is refused
-before anything runs. Full tier: the real CLI runs notebook 01 with ``-p STEPS=40`` on a real
-pool and trains exactly 40 steps.
+before anything runs; the exported script maps the cells' predefined names to
+``RankSession.from_env()`` and leaves the notebook-only cells out. Full tier: the real CLI runs
+notebook 01 with ``-p STEPS=40`` on a real pool (exactly 40 steps), and its exported script
+under ``torchrun --nproc-per-node=2`` prints the same losses (1e-3, as printed).
 """
 
 from __future__ import annotations
@@ -61,9 +64,32 @@ def test_the_pretraining_notebook_defaults_are_its_parameters():
     inject_parameters(nb, {"STEPS": 40})  # raises if the tag or the name went missing
 
 
+def test_the_exported_script_runs_rank_cells_under_from_env_and_leaves_the_notebook_out():
+    from workbench.export_script import export_script
+
+    nb = _notebook()
+    nb.cells += [nbformat.v4.new_code_cell("%load_ext workbench\n%colossal start -n 2"),
+                 nbformat.v4.new_code_cell('%%colossal --plan "dp=2 zero=1" --push STEPS\n'
+                                           "total = STEPS + rank"),
+                 nbformat.v4.new_code_cell("%%colossal --targets 0 --pull total\nprint(total)"),
+                 nbformat.v4.new_code_cell("import workbench\nworkbench.dashboard()")]
+    script = export_script(nb, "nb.ipynb", "nb.py")
+    compile(script, "nb.py", "exec")
+    assert "session = RankSession.from_env()" in script
+    assert "plan = Plan.parse('dp=2 zero=1').validate(world_size)\nsession.plan = plan\n" \
+           "total = STEPS + rank" in script
+    assert "if rank in (0,):\n    print(total)" in script
+    assert "# %colossal start -n 2" in script and "# workbench.dashboard()" in script
+
+
+def _losses(text: str) -> dict[int, float]:
+    return {int(s): float(v) for s, v in re.findall(r"^step +(\d+)  loss ([\d.]+)$", text,
+                                                    re.M)}
+
+
 @pytest.mark.full
 @pytest.mark.engines
-def test_workbench_run_trains_the_steps_it_was_given(tmp_path):
+def test_workbench_run_and_the_exported_script_train_the_same_steps(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "workbench.cli", "run", str(NOTEBOOKS / "01_pretrain_gpt.ipynb"),
          "-p", "STEPS=40", "--save", str(tmp_path / "run.ipynb")],
@@ -77,3 +103,17 @@ def test_workbench_run_trains_the_steps_it_was_given(tmp_path):
         [sys.executable, "-m", "workbench.cli", "run", str(NOTEBOOKS / "01_pretrain_gpt.ipynb"),
          "-p", "STEP=40"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert refused.returncode == 2 and "not a parameter of this notebook" in refused.stderr
+
+    script = tmp_path / "job" / "pretrain.py"
+    script.parent.mkdir()
+    subprocess.run([sys.executable, "-m", "workbench.cli", "export-script",
+                    str(NOTEBOOKS / "01_pretrain_gpt.ipynb"), "-o", str(script), "-p",
+                    "STEPS=40"], check=True, timeout=60)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    job = subprocess.run([str(torchrun), "--nproc-per-node=2", str(script)], capture_output=True,
+                         text=True, timeout=600, cwd=script.parent)
+    assert job.returncode == 0, job.stderr[-3000:]
+    notebook, exported = _losses(done.stdout), _losses(job.stdout)
+    assert set(notebook) == set(exported) == {0, 39}, (notebook, exported)
+    for step, loss in notebook.items():
+        assert abs(exported[step] - loss) <= 1e-3 * loss, (step, exported[step], loss)
