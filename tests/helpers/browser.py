@@ -24,6 +24,14 @@ from helpers.jupyter import start_lab, stop_lab
 
 CHROMIUM = Path(os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium"))
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "browser"
+README_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
+
+
+def keep_for_readme(screenshot: Path, name: str) -> None:
+    """Copy a screenshot the test just took to ``docs/images/name`` (the README shows it), so
+    the README's pictures are what the product looks like at the last browser run."""
+    README_IMAGES.mkdir(parents=True, exist_ok=True)
+    (README_IMAGES / name).write_bytes(screenshot.read_bytes())
 LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                "--disable-dev-shm-usage"]
 MS = 1000

@@ -21,7 +21,14 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.browser import ARTIFACTS, MS, lab_page, run_all_cells, write_notebook
+from helpers.browser import (
+    ARTIFACTS,
+    MS,
+    keep_for_readme,
+    lab_page,
+    run_all_cells,
+    write_notebook,
+)
 
 pytestmark = pytest.mark.engines
 
@@ -86,12 +93,14 @@ def _run_quickstart(page, server) -> None:
     cell = page.locator(".jp-CodeCell", has_text="session.telemetry.step")
     cell.locator(".jp-OutputArea-output .js-plotly-plot").first.wait_for(timeout=180 * MS)
     page.screenshot(path=str(ARTIFACTS / "2-live-plot.png"))
+    keep_for_readme(ARTIFACTS / "2-live-plot.png", "live-dashboard-in-notebook.png")
 
     # the whole notebook ends: the last cell (%colossal stop) has an execution count
     last_prompt = page.locator(".jp-CodeCell .jp-InputPrompt").last
     page.wait_for_function("el => /\\[\\d+\\]/.test(el.textContent)",
                            arg=last_prompt.element_handle(), timeout=180 * MS)
     dash.screenshot(path=str(ARTIFACTS / "3-dashboard-page.png"))
+    keep_for_readme(ARTIFACTS / "3-dashboard-page.png", "dashboard-page.png")
     errors = page.locator("[data-mime-type='application/vnd.jupyter.error']")
     assert errors.count() == 0, errors.first.inner_text()
     assert "loss went from" in page.locator(".jp-Notebook").inner_text()
@@ -103,6 +112,7 @@ def _run_quickstart(page, server) -> None:
     started = sidebar.locator(".jp-Colossal-pool[data-state='running'][data-ranks='2']")
     started.wait_for(timeout=120 * MS)
     page.screenshot(path=str(ARTIFACTS / "5-started-from-sidebar.png"))
+    keep_for_readme(ARTIFACTS / "5-started-from-sidebar.png", "sidebar.png")
     started.locator("button[data-action='stop']").click()
     sidebar.locator(".jp-Colossal-message", has_text="pool stopped").wait_for(timeout=60 * MS)
     assert sidebar.locator(".jp-Colossal-pool:not([data-state='stopped'])").count() == 0
@@ -161,3 +171,4 @@ def _move_tuner_controls(page, server) -> None:
     assert error.inner_text() == ("dp*tp*pp*sp = 4*1*1*1 = 4 but the pool has 2 ranks; make "
                                   "the product 2, or write dp=auto")
     page.screenshot(path=str(ARTIFACTS / "6-tuner-invalid-plan.png"))
+    keep_for_readme(ARTIFACTS / "6-tuner-invalid-plan.png", "tuner.png")
