@@ -25,7 +25,13 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 from typing import Any
+
+# Seconds an engine asked to stop may take (a cell that ignores the stop) before it exits
+# regardless, and a forked parent waits for its engines before SIGKILLing them.
+STOP_GRACE_S = 5.0
 
 
 def main() -> None:
@@ -35,7 +41,10 @@ def main() -> None:
         sys.exit(f"workbench engine: cannot import the rank runtime ({e}); install "
                  "colossal-workbench and torch on this host with the notebook's versions")
     _ensure_profile_dir(sys.argv[1:])
+    from ipyparallel.engine.app import IPEngine
     from ipyparallel.engine.app import main as engine_main
+
+    _stop_even_in_a_cell(IPEngine)
 
     forks = [a for a in sys.argv[1:] if a.startswith("--workbench-")]
     if not forks:
@@ -47,9 +56,56 @@ def main() -> None:
     _fork_engines(int(options["fork"]), devices, engine_main)
 
 
+def _stop_even_in_a_cell(engine_class: Any) -> None:
+    """Make SIGTERM end the engine even while a cell blocks its main thread.
+
+    ipyparallel's handler only queues a stop on the engine's event loop, which a running cell
+    (a training loop, a serving loop) never yields to, so a stopped pool's engines lived on.
+    Ours also raises ``SystemExit`` in the cell when one runs (the stop then happens as the
+    cell unwinds) and arms a backstop that ends the process with ``os._exit`` after
+    ``STOP_GRACE_S`` whatever the cell does (a C call that never returns included).
+    """
+    original = engine_class.init_signal
+
+    def init_signal(self: Any) -> None:
+        original(self)
+        queue_stop = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(sig: int, frame: Any) -> None:
+            _arm_backstop(128 + sig)
+            if callable(queue_stop):
+                queue_stop(sig, frame)
+            if _in_a_cell(frame):
+                raise SystemExit(128 + sig)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    engine_class.init_signal = init_signal
+
+
+def _in_a_cell(frame: Any) -> bool:
+    """Whether the main thread was running an apply request (a cell) when the signal came."""
+    while frame is not None:
+        if frame.f_code.co_name in ("do_apply", "run_cell", "run_code"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _arm_backstop(code: int) -> None:
+    def exit_later() -> None:
+        time.sleep(STOP_GRACE_S)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    threading.Thread(target=exit_later, name="stop-backstop", daemon=True).start()
+
+
 def _fork_engines(n: int, devices: list[str], engine_main: Any) -> None:
     """Fork ``n`` engines from this process (see ``workbench.forked_engines``), forward stop
-    signals to them and record how each one ended."""
+    signals to them, SIGKILL those still alive ``STOP_GRACE_S`` after a stop (or after this
+    process's own parent died) and record how each one ended."""
     import ipykernel.ipkernel  # noqa: F401  imported once here, shared by every child
     import ipyparallel.engine.kernel  # noqa: F401
 
@@ -73,10 +129,18 @@ def _fork_engines(n: int, devices: list[str], engine_main: Any) -> None:
             os._exit(code)
         children.add(pid)
 
-    def forward(sig: int, frame: Any) -> None:
+    parent = os.getppid()
+    kill_at = [float("inf")]  # when the children still alive get SIGKILL
+
+    def signal_children(sig: int) -> None:
         for child in list(children):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, sig)
+
+    def forward(sig: int, frame: Any) -> None:
+        signal_children(sig)
+        if sig == signal.SIGTERM:
+            kill_at[0] = min(kill_at[0], time.monotonic() + STOP_GRACE_S)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
@@ -84,9 +148,16 @@ def _fork_engines(n: int, devices: list[str], engine_main: Any) -> None:
                         os.environ.get("IPP_CLUSTER_ID", "engines"))
     while children:
         try:
-            pid, status = os.wait()
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             break
+        if pid == 0:  # none ended: check our parent and the SIGKILL deadline, then poll again
+            if os.getppid() != parent and kill_at[0] == float("inf"):
+                forward(signal.SIGTERM, None)  # the pool's owner died without stopping us
+            if time.monotonic() >= kill_at[0]:
+                signal_children(signal.SIGKILL)
+            time.sleep(0.1)
+            continue
         children.discard(pid)
         with contextlib.suppress(OSError), open(record, "a") as f:
             f.write(json.dumps({"pid": pid, "exit_code": os.waitstatus_to_exitcode(status)})

@@ -9,10 +9,12 @@ The children share the imported pages copy-on-write, and no CUDA context exists 
 fork (importing torch creates none), so each child starts clean; on a GPU host each child gets
 its own ``CUDA_VISIBLE_DEVICES`` before anything reads it.
 
-The parent forwards SIGTERM and SIGINT to the children, reaps them and appends each exit
-status to ``$IPP_PROFILE_DIR/log/engine-exits-$IPP_CLUSTER_ID.jsonl``, which is how the pool
-still says "killed by SIGKILL" for a rank of this launcher (``exit_status``). Children die
-with the parent (``PR_SET_PDEATHSIG``), so stopping the set never leaves an engine behind.
+The parent forwards SIGTERM and SIGINT to the children (SIGKILL for those still alive a grace
+period after a SIGTERM, or once the parent's own parent, the kernel, is gone), reaps them and
+appends each exit status to ``$IPP_PROFILE_DIR/log/engine-exits-$IPP_CLUSTER_ID.jsonl``, which
+is how the pool still says "killed by SIGKILL" for a rank of this launcher (``exit_status``).
+Children die with the parent (``PR_SET_PDEATHSIG``), so stopping the set never leaves an
+engine behind.
 Remote launchers (SSH, Slurm, MPI) start one engine per process, as ipyparallel does.
 """
 

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import ipyparallel as ipp
+import psutil
 
 from kernels_runtime.memory.spill import POOL_ENV, remove_stale, spill_root
 from workbench import engine_calls
@@ -37,6 +38,7 @@ from workbench.launchers import LauncherSpec, cluster_config, engine_launcher, r
 from workbench.pool_status import RankQueries
 from workbench.pool_status import RankStatus as RankStatus  # re-exported: workbench.RankStatus
 from workbench.ranks import assign_ranks, check_versions, notebook_versions, visible_gpu_count
+from workbench.reaper import ReaperHandle
 from workbench.slurm import job_state, timeout_message, watch_message
 
 log = logging.getLogger("workbench.pool")
@@ -111,6 +113,7 @@ class Pool(RankQueries):
         self.progress = ""  # what a start is waiting for, e.g. a pending Slurm job
         self.needs_reset = False  # set after a failed cell: re-create the group before the next
         self._loop = LoopThread()
+        self._reaper = ReaperHandle()  # stops the cluster if this process dies without stop()
         self.state = PoolStateFile(publish_state)
         atexit.register(self.state.remove)  # a kernel that exits takes its pool file along
 
@@ -175,6 +178,7 @@ class Pool(RankQueries):
         )
         await self.cluster.start_controller()
         await self._start_engines(n)  # engines boot (and import torch) while the controller starts
+        self._arm_reaper()
         self.client = await self.cluster.connect_client()
         await self._bootstrap(n, set())
 
@@ -184,6 +188,7 @@ class Pool(RankQueries):
         if cluster is not None:
             with _quiet(cluster), contextlib.suppress(Exception):
                 await cluster.stop_cluster()
+        self._reaper.disarm()
 
     async def _start_engines(self, n: int) -> None:
         """One engine set; local engines each see exactly one GPU of this host (their
@@ -312,6 +317,7 @@ class Pool(RankQueries):
             self.engine_ids, self.ranks_info = [], []
             self._remove_dead_spill()
             await self._start_engines(n)
+            self._arm_reaper()
             await self._bootstrap(n, old)
         self.needs_reset = False
         return self
@@ -331,6 +337,23 @@ class Pool(RankQueries):
             return
         if removed:
             log.info("removed the spill folders of dead ranks: %s", removed)
+
+    def _arm_reaper(self) -> None:
+        """Tell the reaper (``workbench.reaper``) what to stop should this process die: the
+        controller's and each engine set's process trees, Slurm jobs, this pool's spill."""
+        assert self.cluster is not None
+        pids = []
+        for launcher in [self.cluster.controller, *self.cluster.engines.values()]:
+            proc = getattr(launcher, "process", None)
+            if isinstance(proc, psutil.Process):
+                with contextlib.suppress(psutil.Error):
+                    pids.append([proc.pid, proc.create_time()])
+        targets = {"pids": pids, "slurm_jobs": self.slurm_jobs(),
+                   "spill_root": str(spill_root()), "pool_id": self.pool_id}
+        try:
+            self._reaper.arm(targets, self._log_dir())
+        except OSError as e:  # the pool still works; only its cleanup after a crash is lost
+            log.warning("starting the pool's reaper failed: %s", e)
 
     @contextlib.asynccontextmanager
     async def _publishing(self) -> Any:
@@ -367,6 +390,7 @@ class Pool(RankQueries):
         finally:
             self.cluster, self.client = None, None
             self.engine_ids, self.ranks_info, self._engine_sets = [], [], []
+            self._reaper.disarm()
             self.state.update("stopped", ranks=[], world_size=0, cell=None)
 
     # ---- sync twins -------------------------------------------------------------------

@@ -7,6 +7,11 @@ request's queue on the server's event loop. One thread owns the socket (ZeroMQ s
 thread-safe): it sends what the event loop queued and receives what the leaders sent, waking
 every few milliseconds. A leader's first message must carry the session's secret, so another
 process on the host cannot pose as a rank; messages are JSON, never pickle.
+
+Every ``HEARTBEAT_S`` the thread also sends each leader a heartbeat: a leader that hears nothing
+for longer than its miss limit (``rank_side.HEARTBEAT_MISS_S``) knows the server (or the kernel
+holding it) is gone, aborts its requests and stops its replica, instead of polling a dead
+socket forever.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import json
 import queue
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +30,8 @@ import zmq
 from kernels_runtime.inference.commands import Command
 
 POLL_MS = 2
+HEARTBEAT_S = 1.0
+HEARTBEAT = {"heartbeat": True}
 
 
 class Bridge:
@@ -87,7 +95,14 @@ class Bridge:
 
     # ---- the socket thread ----------------------------------------------------------------
     def _run(self) -> None:
+        next_beat = 0.0
         while not self._stop.is_set():
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + HEARTBEAT_S
+                with self.lock:
+                    leaders = list(self.replicas)
+                for leader in leaders:
+                    self.outgoing.put((leader, HEARTBEAT))
             try:
                 while True:
                     leader, message = self.outgoing.get_nowait()

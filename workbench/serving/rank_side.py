@@ -6,11 +6,16 @@ the loop itself is ``kernels_runtime.inference.service.serve``. Imported by the 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from ipyparallel import interactive
 
 from kernels_runtime.inference.commands import Command
+
+# A leader that hears nothing from the server (not even its heartbeat, ``bridge.HEARTBEAT_S``)
+# for this long takes it for dead: the kernel holding it was killed, say.
+HEARTBEAT_MISS_S = 15.0
 
 
 @interactive
@@ -45,14 +50,30 @@ def serve_engine(engine: Any, address: str, secret: str) -> str:
     socket.connect(address)
     socket.send(json.dumps({"hello": secret, "replica": engine.ctx.dp_rank}).encode())
 
+    heard = [time.monotonic()]  # when the server last sent anything
+    in_flight: set[str] = set()  # requests this replica has not finished
+
     def receive(timeout_s: float) -> list[Command]:
         commands = []
         if socket.poll(int(timeout_s * 1000)):
+            heard[0] = time.monotonic()
             while socket.poll(0):
-                commands.append(Command.from_json(json.loads(socket.recv())))
+                message = json.loads(socket.recv())
+                if message.get("heartbeat"):
+                    continue
+                command = Command.from_json(message)
+                if command.kind not in ("abort", "stop"):
+                    in_flight.add(command.request_id)
+                commands.append(command)
+        elif time.monotonic() - heard[0] > HEARTBEAT_MISS_S:
+            # the server is gone: end its requests and stop the replica (every rank of it
+            # gets these commands in the same turn, so they leave the loop together)
+            heard[0] = float("inf")  # once
+            return [*(Command("abort", rid) for rid in sorted(in_flight)), Command("stop")]
         return commands
 
     def send(deltas: list[dict[str, Any]]) -> None:
+        in_flight.difference_update(d["id"] for d in deltas if d.get("finish_reason"))
         socket.send(json.dumps({"deltas": deltas}).encode())
 
     try:
