@@ -45,25 +45,10 @@ def shape(hidden: int, layers: int, seq: int) -> dict[str, Any]:
 
 def plain_peak(hidden: int, layers: int, seq: int) -> dict[str, Any]:
     """Peak live bytes of a steady-state full fine-tuning step (fp32 AdamW, second step)."""
-    import torch
+    from bench.memory_capacity import plain_step_peak
 
-    from bench.live_bytes import LiveBytes
-    from kernels_runtime.calibrate.trial import build_model, next_token_loss, token_batch
-
-    model = build_model(shape(hidden, layers, seq))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    numel = sum(p.numel() for p in model.parameters())
-    peak = 0
-    for step in range(2):
-        states = [t for s in opt.state.values() for t in s.values()
-                  if isinstance(t, torch.Tensor)]
-        with LiveBytes([*model.parameters(), *states]) as live:
-            next_token_loss(model, token_batch(step, 0, 1, seq)).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        peak = max(peak, live.peak)
-    return {"hidden": hidden, "layers": layers, "numel": numel, "peak": peak,
-            "textbook": 16 * numel}
+    return {"hidden": hidden, "layers": layers,
+            **plain_step_peak(shape(hidden, layers, seq), fused=False)}
 
 
 def largest_plain(budget: int, widths: list[int], seq: int) -> tuple[dict, list[dict]]:

@@ -38,25 +38,31 @@ def shape(hidden: int, layers: int, seq: int) -> dict:
 def plain_peak(hidden: int, layers: int, seq: int) -> dict:
     """The peak live bytes of a plain PyTorch step in steady state (the second: AdamW's
     states exist from the first on), and the textbook 16 bytes per parameter beside it."""
+    return {"hidden": hidden, "layers": layers, **plain_step_peak(shape(hidden, layers, seq))}
+
+
+def plain_step_peak(spec: dict, fused: bool = True) -> dict:
+    """``plain_peak`` of any model ``spec`` (``calibrate.trial.build_model``'s): the second
+    step's peak live bytes of plain AdamW (``fused`` or not), the parameter count, and 16
+    bytes per parameter."""
     import torch
 
     from bench.live_bytes import LiveBytes
     from kernels_runtime.calibrate.trial import build_model, next_token_loss, token_batch
 
-    model = build_model(shape(hidden, layers, seq))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    model = build_model(spec)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     numel = sum(p.numel() for p in model.parameters())
     peak = 0
     for step in range(2):
         states = [t for s in opt.state.values() for t in s.values()
                   if isinstance(t, torch.Tensor)]
         with LiveBytes([*model.parameters(), *states]) as live:
-            next_token_loss(model, token_batch(step, 0, 1, seq)).backward()
+            next_token_loss(model, token_batch(step, 0, 1, spec["seq"])).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         peak = max(peak, live.peak)
-    return {"hidden": hidden, "layers": layers, "numel": numel, "peak": peak,
-            "textbook": 16 * numel}
+    return {"numel": numel, "peak": peak, "textbook": 16 * numel}
 
 
 def largest_plain(budget: int, widths: list[int], seq: int) -> tuple[dict, list[dict]]:

@@ -15,8 +15,6 @@ frozen weights (this rank's share) + adapters + adapter gradients + adapter stat
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,11 +25,10 @@ from conformance import harness
 from conformance.families import FAMILIES, pieces_of, smollm2_folder
 from conformance.lora import with_lora
 
-from helpers.prereq import require_or_skip
+from helpers.disk import disk_folder
 
 pytest.importorskip("peft")
 
-REPO = Path(__file__).resolve().parents[2]
 STATIC = "offload=static offload_params=1"
 CASES: list[tuple[str, str, str]] = [  # family, plan, where the frozen base lives
     ("llama", f"dp=2 zero=2 {STATIC}", "host"),
@@ -48,19 +45,9 @@ CASES: list[tuple[str, str, str]] = [  # family, plan, where the frozen base liv
 
 @pytest.fixture(scope="module")
 def disk(tmp_path_factory) -> Iterator[Path]:
-    """A folder on a real disk (the spill folder refuses tmpfs): as ``test_disk.py``'s."""
-    from kernels_runtime.memory.spill import MEMORY_FILESYSTEMS, mount_of
-
-    base = tmp_path_factory.mktemp("lora-spill")
-    for parent in (base, Path("/var/tmp"), REPO / "artifacts"):
-        if parent.is_dir() and mount_of(parent)[1] not in MEMORY_FILESYSTEMS:
-            folder = Path(tempfile.mkdtemp(prefix="lora-spill-", dir=parent))
-            try:
-                yield folder
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
-            return
-    require_or_skip(f"no folder on a disk: {base}, /var/tmp and {REPO} are in memory")
+    """A folder on a real disk (the spill folder refuses tmpfs): ``helpers.disk``'s."""
+    with disk_folder(tmp_path_factory.mktemp("lora-spill"), "lora-spill-") as folder:
+        yield folder
 
 
 def _placement(model: torch.nn.Module, opt) -> dict:

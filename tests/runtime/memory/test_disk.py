@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,29 +30,17 @@ from kernels_runtime.memory.spill import (
     spill_root,
 )
 
-from helpers.prereq import require_or_skip
+from helpers.disk import disk_folder
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
-def disk(tmp_path: Path, tmp_path_factory) -> Iterator[Path]:
+def disk(tmp_path: Path) -> Iterator[Path]:
     """A fresh folder on a real disk: tmp_path, or where this machine keeps that in RAM, one
-    under /var/tmp or the checkout. A machine with no disk at all fails in CI (it must run the
-    disk tier's tests) and skips elsewhere, as ``helpers.prereq`` does for daemons."""
-    if mount_of(tmp_path)[1] not in MEMORY_FILESYSTEMS:
-        yield tmp_path
-        return
-    for parent in (Path("/var/tmp"), REPO / "artifacts"):
-        if parent.is_dir() and mount_of(parent)[1] not in MEMORY_FILESYSTEMS:
-            folder = Path(tempfile.mkdtemp(prefix="disk-test-", dir=parent))
-            try:
-                yield folder
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
-            return
-    require_or_skip(f"no folder on a disk: {tmp_path}, /var/tmp and {REPO} are in memory "
-                    f"({mount_of(tmp_path)[1]})")
+    under /var/tmp or the checkout (``helpers.disk``)."""
+    with disk_folder(tmp_path, "disk-test-") as folder:
+        yield folder
 
 
 @pytest.fixture
