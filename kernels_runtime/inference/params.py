@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FINISH_REASONS = ("length", "stop", "abort", "error")
+SEED_MAX = 2**63 - 1
 
 
 @dataclass
@@ -63,6 +64,9 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool)
                                       or not isinstance(self.seed, int)):
             return f"seed must be an integer or None, got {self.seed!r}"
+        if self.seed is not None and not 0 <= self.seed <= SEED_MAX:
+            # torch's manual_seed raises past 64 bits; a signed 64-bit range as OpenAI's
+            return f"seed must be in [0, {SEED_MAX}] (2**63 - 1), got {self.seed}"
         if isinstance(self.stop_token_ids, (str, bytes)) or not all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0
                 for i in _iterable(self.stop_token_ids)):

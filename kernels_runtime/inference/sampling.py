@@ -32,7 +32,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if p.greedy:
             out.append(greedy[i])
             continue
-        row = logits[i].double() / p.temperature
+        row = logits[i].double()
+        # shifted to a max of 0 before dividing: a tiny temperature (5e-324 is a valid JSON
+        # number) then makes the others -inf and the argmax 0, never inf - inf = nan
+        row = (row - row.max()) / p.temperature
         if p.top_k and p.top_k < row.numel():
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

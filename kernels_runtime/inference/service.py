@@ -75,6 +75,28 @@ class DeltaTracker:
         return message
 
 
+def admit(engine: Any, command: Command,
+          stop_strings: dict[str, tuple[str, ...]]) -> RequestOutput | None:
+    """Add one request to the engine; None, or its failure as a finished output. Guarded so a
+    request that cannot run (a chat template that refuses its messages, parameters the engine
+    cannot take) is that request's error and never ends the replica's loop; every rank of a
+    replica fails the same command the same way, so their schedulers stay identical."""
+    try:
+        params = SamplingParams(**command.params)
+        prompt = command.prompt if command.kind == "completion" \
+            else chat_prompt(engine.tokenizer, command.prompt)
+        stop_strings[command.request_id] = params.stop_strings \
+            if isinstance(params.stop, (str, list, tuple)) else ()
+        engine.add_request(prompt, params, request_id=command.request_id,
+                           adapter=command.adapter)
+    except Exception as err:  # noqa: BLE001 - whatever it is, it is this request's error
+        stop_strings.pop(command.request_id, None)
+        why = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+        return RequestOutput(command.request_id, [], finish_reason="error",
+                             error=f"the request could not be added: {why}", finished_s=0.0)
+    return None
+
+
 def serve(engine: Any, receive: Callable[[float], list[Command]] | None,
           send: Callable[[list[dict[str, Any]]], None] | None, idle_s: float = 0.05) -> None:
     """Run until a ``stop`` command has drained the engine (see the module docstring).
@@ -99,13 +121,9 @@ def serve(engine: Any, receive: Callable[[float], list[Command]] | None,
             elif command.kind == "abort":
                 engine.abort(command.request_id)
             else:
-                params = SamplingParams(**command.params)
-                prompt = command.prompt if command.kind == "completion" \
-                    else chat_prompt(engine.tokenizer, command.prompt)
-                stop_strings[command.request_id] = params.stop_strings \
-                    if isinstance(params.stop, (str, list, tuple)) else ()
-                engine.add_request(prompt, params, request_id=command.request_id,
-                                   adapter=command.adapter)
+                failed = admit(engine, command, stop_strings)
+                if leader and failed is not None:
+                    send([tracker.delta(failed)])
         if stopping and not engine.has_unfinished():
             if idle_figures_due:
                 ctx.telemetry.flush()

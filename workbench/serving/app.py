@@ -1,15 +1,23 @@
 """The HTTP routes of a serving endpoint (FastAPI on uvicorn; why in docs/architecture.md).
 
 ``/v1/completions`` and ``/v1/chat/completions`` (``stream: true`` as server-sent events, token
-by token), ``/v1/models``, ``/health`` (503 with the reason when the ranks cannot serve) and
-``/metrics`` (Prometheus text). Every route but ``/health`` needs the API key (``Authorization:
-Bearer ...``) unless the endpoint was started without one. A response starts only once the
-request's first token (or its error) is back, so a request the engine refuses is a 400 with
-the engine's message even when streaming was asked for. A client that goes away mid-stream
+by token), ``/v1/models``, ``/health`` (503 with the reason when the ranks cannot serve),
+``/metrics`` (Prometheus text) and ``/openapi.json`` (``openapi_schema.py``). Every route but
+``/health`` and ``/openapi.json`` needs the API key (``Authorization: Bearer ...``) unless
+the endpoint was started without one. A response starts only once the request's first token
+(or its error) is back, so a request the engine refuses is a 400 with the engine's message
+even when streaming was asked for. A client that goes away mid-stream
 aborts its request, which frees its KV blocks. A request's ``model`` names the base model or
 one of the engine's LoRA adapters (as vLLM's ``--lora-modules``): requests naming different
 adapters share the engine's batches; ``/v1/models`` lists each adapter with the base as its
 ``parent``.
+
+Hostile clients get a clear 4xx, never a 500 or a stall of the others: a body over
+``MAX_BODY`` is a 413 answered from its ``Content-Length`` (or as soon as the bytes read pass
+the limit, for a chunked one), never read whole; JSON nested deeper than the parser's
+recursion is a 400; more than ``max_inflight`` requests being answered is a 429 with
+``Retry-After``; a key that is not even ASCII is a 401 like a wrong one. A non-streaming client
+that goes away while its answer is generated aborts its request, as a streaming one does.
 """
 
 from __future__ import annotations
@@ -25,7 +33,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kernels_runtime.inference.commands import Command
 from workbench.serving import openai_api as api
+from workbench.serving import openapi_schema
 from workbench.serving.openai_api import ApiError
+
+MAX_BODY = 8 * 2**20  # bytes; a longer prompt than any context holds, with room for JSON
+DEFAULT_MAX_INFLIGHT = 256  # requests being answered at once (workbench serve --max-inflight)
+RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is there
+
+
+class _ClientGone(Exception):
+    """The client of a non-streaming request disconnected before its answer was ready."""
 
 
 def create_app(server: Any) -> FastAPI:
@@ -35,7 +53,10 @@ def create_app(server: Any) -> FastAPI:
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
         route = request.url.path
         server.metrics.requests.labels(route, str(err.status)).inc()
-        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else {}
+        headers.update(err.headers or {})
+        if err.status == 413:  # the body was not read: the connection cannot be reused
+            headers["Connection"] = "close"
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
     def authorize(request: Request) -> None:
@@ -43,15 +64,38 @@ def create_app(server: Any) -> FastAPI:
             return
         given = request.headers.get("authorization", "")
         token = given[7:] if given.lower().startswith("bearer ") else ""
-        if not token or not secrets.compare_digest(token, server.api_key):
+        # bytes, not str: compare_digest refuses non-ASCII str (headers arrive as latin-1)
+        if not token or not secrets.compare_digest(token.encode("latin-1"),
+                                                   server.api_key.encode()):
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)",
                            code="invalid_api_key")
 
     async def body_of(request: Request) -> Any:
+        too_large = ApiError(413, f"the request body is larger than {MAX_BODY} bytes (8 MiB): "
+                                  "send a shorter prompt", code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY:
+            raise too_large  # answered before reading any of it
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise too_large
+            chunks.append(chunk)
         try:
-            return json.loads(await request.body() or b"null")
+            return json.loads(b"".join(chunks) or b"null")
         except ValueError as err:
             raise ApiError(400, f"the request body is not valid JSON: {err}") from None
+        except RecursionError:
+            raise ApiError(400, "the request body's JSON is nested too deeply") from None
+
+    def check_capacity() -> None:
+        limit = server.max_inflight or DEFAULT_MAX_INFLIGHT
+        if server.active >= limit:
+            raise ApiError(429, f"this endpoint is answering its maximum of {limit} requests "
+                                f"at once: retry after {RETRY_AFTER_S} s", kind="rate_limit_error",
+                           code="too_many_requests",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def check_model(body: Any) -> str | None:
         """The LoRA adapter the body's ``model`` names (vLLM's ``--lora-modules`` way), None
@@ -73,6 +117,10 @@ def create_app(server: Any) -> FastAPI:
         return JSONResponse({"status": "ok", "model": server.model_id,
                              "replicas": server.bridge.connected})
 
+    @app.get("/openapi.json")
+    async def openapi() -> JSONResponse:
+        return JSONResponse(openapi_schema.openapi())  # no key needed, as /health
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         authorize(request)
@@ -92,6 +140,7 @@ def create_app(server: Any) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         authorize(request)
+        check_capacity()
         body = await body_of(request)
         prompt, params = api.completion_request(body)
         adapter = check_model(body)
@@ -100,6 +149,7 @@ def create_app(server: Any) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         authorize(request)
+        check_capacity()
         body = await body_of(request)
         messages, params = api.chat_request(body)
         adapter = check_model(body)
@@ -110,6 +160,7 @@ def create_app(server: Any) -> FastAPI:
         reason = server.unavailable()
         if reason:
             raise ApiError(503, reason, kind="unavailable")
+        check_capacity()  # again: others may have been admitted while this body was read
         server.active += 1  # until its response ends: what --stop drains
         try:
             response = await answer(request, kind, prompt, params, body, adapter)
@@ -126,13 +177,17 @@ def create_app(server: Any) -> FastAPI:
         rid = api.new_id(kind)
         model = adapter or server.model_id  # the answer names what answered
         queue = server.bridge.submit(Command(kind, rid, prompt, params, adapter))
-        first = await queue.get()
+        streaming = bool(body.get("stream"))
+        try:
+            first = await (queue.get() if streaming else next_delta(request, queue))
+        except _ClientGone:
+            return gone(rid, route)
         if first.get("error"):
             server.bridge.abort(rid)
             status = 503 if server.unavailable() else 400  # a rank died, or the request
             raise ApiError(status, first["error"], kind="invalid_request_error"
                            if status == 400 else "unavailable")
-        if body.get("stream"):
+        if streaming:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             server.metrics.requests.labels(route, "200").inc()
             return StreamingResponse(
@@ -140,15 +195,34 @@ def create_app(server: Any) -> FastAPI:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         delta, text = first, first.get("text") or ""
-        while delta.get("finish_reason") is None:
-            delta = await queue.get()
-            text += delta.get("text") or ""
+        try:
+            while delta.get("finish_reason") is None:
+                delta = await next_delta(request, queue)
+                text += delta.get("text") or ""
+        except _ClientGone:
+            return gone(rid, route)
         if delta.get("error"):
             raise ApiError(503, delta["error"], kind="unavailable")
         server.metrics.requests.labels(route, "200").inc()
         counts = (delta["prompt_tokens"], delta["completion_tokens"])
         build = api.completion_body if kind == "completion" else api.chat_body
         return JSONResponse(build(rid, model, text, delta["finish_reason"], counts))
+
+    async def next_delta(request: Request, queue: asyncio.Queue) -> dict[str, Any]:
+        """The request's next delta, checking every ``DISCONNECT_POLL_S`` that its client is
+        still there (``_ClientGone`` if not)."""
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise _ClientGone from None
+
+    def gone(rid: str, route: str) -> Response:
+        """A non-streaming client went away: its request is aborted (its KV blocks freed)."""
+        server.bridge.abort(rid)
+        server.metrics.requests.labels(route, "499").inc()
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     async def stream(kind: str, rid: str, model: str, first: dict[str, Any],
                      queue: asyncio.Queue, include_usage: bool) -> AsyncIterator[bytes]:

@@ -2,7 +2,7 @@
 
     workbench serve --model DIR [--plan "tp=2"] [--pool-size N] [--port 8000] [--host 127.0.0.1]
                     [--api-key K | --no-api-key] [--kv-mem 256MiB] [--model-name NAME]
-                    [--lora NAME=DIR ...]
+                    [--lora NAME=DIR ...] [--max-inflight 256]
 
 The pool starts, every rank loads its pieces of the model (``load_pretrained``: a meta model
 filled shard-wise from the safetensors, so a host holds about one copy of the weights, not one
@@ -13,7 +13,8 @@ SIGTERM, which drain the requests in flight before the pool stops. The same ``Se
 (``fit.py``); a plan that cannot work is one line on stderr and exit status 2.
 ``--lora NAME=DIR`` (repeatable) loads a peft LoRA adapter folder into the engine: a request
 whose ``model`` is NAME is generated through it, beside requests for the base model and other
-adapters in the same batches.
+adapters in the same batches. ``--max-inflight N`` caps the requests answered at once; past it
+a request is a 429 with ``Retry-After`` (a client retries) rather than a queue without end.
 """
 
 from __future__ import annotations
@@ -71,7 +72,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                       "folder's name)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="a peft LoRA adapter folder clients name as model=NAME (repeatable)")
+    p.add_argument("--max-inflight", type=_positive, default=None, metavar="N",
+                   help="requests answered at once; more get 429 with Retry-After "
+                        "(default: 256)")
     p.set_defaults(func=run)
+
+
+def _positive(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"give a whole number >= 1, got {value!r}")
+    return int(value)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,6 +141,7 @@ def _serve(pool: Any, folder: Path, plan: str, args: argparse.Namespace) -> Any:
     key, where = (None, None) if args.no_api_key else new_key(args.port, args.api_key)
     server = Server(pool, "engine", model_id=args.model_name or folder.name,
                     host=args.host, port=args.port, api_key=key)
+    server.max_inflight = args.max_inflight  # None: the app's default
     try:
         server.start()
     except BaseException:

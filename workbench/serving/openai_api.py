@@ -14,7 +14,7 @@ import uuid
 from typing import Any
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "stream", "stop", "seed", "n", "user",
-          "stream_options", "top_k"}
+          "stream_options", "top_k", "ignore_eos"}  # top_k, ignore_eos: vLLM's extras
 COMPLETION = COMMON | {"prompt", "echo"}
 CHAT = COMMON | {"messages", "max_completion_tokens"}
 # accepted only at the value that means "off": anything else changes the answer
@@ -24,14 +24,19 @@ NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logprobs": (None, Fal
            "tool_choice": (None, "none"), "functions": (None,), "parallel_tool_calls": (None,),
            "response_format": (None, {"type": "text"}), "n": (None, 1)}
 DEFAULT_MAX_TOKENS = 16
+# OpenAI's own limits: up to 4 stop sequences; a length cap keeps the per-token check cheap
+MAX_STOPS, MAX_STOP_CHARS = 4, 256
+SEED_MAX = 2**63 - 1  # a signed 64-bit integer, as OpenAI's schema and vLLM take it
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = (
             status, message, param, kind, code)
+        self.headers = headers  # e.g. Retry-After on a 429
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
@@ -57,13 +62,41 @@ def _number(body: dict, name: str, low: float, high: float, default: float,
     return float(value)
 
 
-def _integer(body: dict, name: str, low: int, default: int | None) -> int | None:
+def _integer(body: dict, name: str, low: int, default: int | None,
+             high: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ApiError(400, f"{name} must be an integer >= {low}, got {value!r}", name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (
+            high is not None and value > high):
+        within = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ApiError(400, f"{name} must be an integer {within}, got {_short(value)}", name)
     return value
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """A value for an error message, cut: a hostile body can make ``repr`` huge."""
+    text = repr(value) if not isinstance(value, (list, dict)) else type(value).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _stop(body: dict) -> list[str] | str:
+    """The checked ``stop``: every stop string is searched for at every generated token, so
+    their number and length are bounded (OpenAI takes up to 4)."""
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, f"stop must be a string or a list of non-empty strings, got "
+                            f"{_short(stop)}", "stop")
+    if len(stops) > MAX_STOPS:
+        raise ApiError(400, f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", "stop")
+    long = [len(s) for s in stops if len(s) > MAX_STOP_CHARS]
+    if long:
+        raise ApiError(400, f"each stop string must be at most {MAX_STOP_CHARS} characters, "
+                            f"got one of {long[0]}", "stop")
+    return stop
 
 
 def sampling(body: dict, kind: str, allowed: set[str]) -> dict[str, Any]:
@@ -77,24 +110,22 @@ def sampling(body: dict, kind: str, allowed: set[str]) -> dict[str, Any]:
                             "default value is accepted)", refused[0])
     tokens_key = "max_completion_tokens" if kind == "chat" and \
         body.get("max_completion_tokens") is not None else "max_tokens"
+    # Too many for the context is the engine's 400 (it knows the prompt's tokens), as vLLM's.
     max_tokens = _integer(body, tokens_key, 1, DEFAULT_MAX_TOKENS)
-    stop = body.get("stop")
-    if stop is not None and not (isinstance(stop, str) or (
-            isinstance(stop, list) and all(isinstance(s, str) and s for s in stop))):
-        raise ApiError(400, f"stop must be a string or a list of non-empty strings, got "
-                            f"{stop!r}", "stop")
+    stop = _stop(body)
     stream_options = body.get("stream_options")
     if stream_options is not None and (not isinstance(stream_options, dict) or any(
             k != "include_usage" for k in stream_options)):
         raise ApiError(400, "stream_options supports include_usage only", "stream_options")
-    if not isinstance(body.get("stream", False), bool):
-        raise ApiError(400, "stream must be true or false", "stream")
+    for flag in ("stream", "ignore_eos"):
+        if not isinstance(body.get(flag, False), bool):
+            raise ApiError(400, f"{flag} must be true or false", flag)
     return {"max_new_tokens": max_tokens,
             "temperature": _number(body, "temperature", 0.0, 2.0, 1.0),
             "top_p": _number(body, "top_p", 0.0, 1.0, 1.0, low_open=True),
             "top_k": _integer(body, "top_k", 0, 0),
-            "seed": _integer(body, "seed", 0, None),
-            "stop": stop if stop is not None else []}
+            "seed": _integer(body, "seed", 0, None, SEED_MAX),
+            "stop": stop, "ignore_eos": bool(body.get("ignore_eos", False))}
 
 
 def completion_request(body: Any) -> tuple[Any, dict[str, Any]]:
@@ -134,7 +165,10 @@ def chat_request(body: Any) -> tuple[list[dict[str, str]], dict[str, Any]]:
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 raise ApiError(400, f"messages[{i}]: only text content is supported",
                                "messages")
-            content = "".join(p.get("text", "") for p in content)
+            if not all(isinstance(p.get("text"), str) for p in content):
+                raise ApiError(400, f"messages[{i}]: each content part needs a string "
+                                    '"text"', "messages")
+            content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be text", "messages")
         extra = sorted(set(m) - {"role", "content", "name"})

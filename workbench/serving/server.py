@@ -65,6 +65,7 @@ class Server:
         self.failure: str | None = None  # why the ranks cannot serve now
         self.accepting = False
         self.active = 0  # HTTP requests being answered (streams until their last event)
+        self.max_inflight: int | None = None  # the most answered at once (None: app.py's)
         self.running = False
         self.replicas = 0
         self.rebuild: tuple[str, str] | None = None  # (magic line, code) that built the engine
