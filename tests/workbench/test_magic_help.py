@@ -29,7 +29,8 @@ def test_completion_offers_subcommands_options_and_plan_keys(options):
     assert candidates('%%colossal --plan "dp=2 ze', "ze", *options) == ["zero=", "zero_stage="]
     assert candidates("%%colossal --plan ", "", *options)[:2] == ["activation_checkpointing=",
                                                                  "checkpointing="]
-    assert candidates('%%colossal --plan "dp=2" --no', "--no", *options) == ["--no-dashboard"]
+    assert candidates('%%colossal --plan "dp=2" --no', "--no", *options) == ["--no-dashboard",
+                                                                          "--noblock"]
 
 
 def test_the_help_of_each_form_lists_its_options():
