@@ -22,6 +22,7 @@ sidebar knows a pool is busy and how its dashboard page plots a cell while it ru
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -127,12 +128,19 @@ def _dead_rank_error(pool: Pool, rank: int) -> RankError:
 
 def _rank_error(pool: Pool, rank: int, exc: BaseException) -> RankError:
     if isinstance(exc, RemoteError):
-        if exc.ename == "EngineError":
+        if exc.ename == "EngineError" or _stopped_by_sigterm(exc):
             return _dead_rank_error(pool, rank)
         kind = "interrupted" if exc.ename == "KeyboardInterrupt" else "error"
         tb = exc.traceback.splitlines() if isinstance(exc.traceback, str) else list(exc.traceback)
         return RankError(rank, kind, exc.ename, exc.evalue, tb)
     return RankError(rank, "error", type(exc).__name__, str(exc))
+
+
+def _stopped_by_sigterm(exc: RemoteError) -> bool:
+    """The engine's SIGTERM handler (``workbench.engine``) ends a running cell with
+    ``SystemExit(128 + SIGTERM)`` on its way out: a rank told to stop (``scancel``, the pool's
+    reaper), which is dying, not a cell that failed."""
+    return exc.ename == "SystemExit" and exc.evalue == str(128 + signal.SIGTERM)
 
 
 def check_ranks_alive(pool: Pool, ranks: list[int]) -> None:

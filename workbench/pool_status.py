@@ -33,6 +33,8 @@ class RankStatus:
     memory: dict[str, int] = field(default_factory=dict)
     local_rank: int = 0
 
+_COMPLETING_S = 8.0  # how long a Slurm job may stay COMPLETING before we say so
+
 
 class RankQueries:
     """Status queries of a ``Pool`` (see the module doc)."""
@@ -87,10 +89,14 @@ class RankQueries:
         while self.slurm_jobs():
             jobs = [job_state(j) for j in self.slurm_jobs()]
             over = [j for j in jobs if j.state != "RUNNING"]
-            if over:
-                return over[0].describe()
-            if time.monotonic() > deadline:
-                return "exit status unknown; its Slurm job is still running"
+            final = [j for j in over if j.state != "COMPLETING"]
+            if final:
+                return final[0].describe()
+            # COMPLETING: the job's tasks are still exiting (engines unwinding a cell after a
+            # SIGTERM); its final state (CANCELLED, TIMEOUT, ...) comes within seconds
+            if time.monotonic() > deadline + (_COMPLETING_S if over else 0.0):
+                return over[0].describe() if over else \
+                    "exit status unknown; its Slurm job is still running"
             time.sleep(0.1)
         if self.launcher.engines != "local":  # only our forking parent records exits promptly
             return describe_exit(self.exit_code_of(rank, 0.0))
