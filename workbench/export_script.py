@@ -19,9 +19,7 @@ How each cell carries over:
 from __future__ import annotations
 
 import re
-import shlex
 import textwrap
-from typing import Any
 
 import nbformat
 
@@ -67,34 +65,22 @@ def _cell(source: str) -> str:
 
 
 def _rank_cell(options: str, body: str) -> str:
-    args = _options(options)
-    plan = args.get("--plan")
+    from IPython.core.magic_arguments import parse_argstring
+
+    from workbench.magics import ColossalMagics, unquote
+
+    args = parse_argstring(ColossalMagics._cell_parser, options)  # the magic's own parser
+    plan = unquote(args.plan)
     if plan is None:
         head = "plan = Plan().validate(world_size)  # a cell without --plan: the default plan"
     else:
         expr = f"f{plan!r}" if "{" in plan else repr(plan)  # IPython expands {name} in magics
         head = f"plan = Plan.parse({expr}).validate(world_size)"
-    targets = args.get("--targets")
     code = body.rstrip() or "pass"
-    if targets:
-        ranks = tuple(int(t) for t in targets.split(",") if t.strip())
+    if args.targets:
+        ranks = tuple(int(t) for t in unquote(args.targets).split(",") if t.strip())
         code = f"if rank in {ranks!r}:\n" + textwrap.indent(code, "    ")
     return f"{head}\nsession.plan = plan\n{code}"
-
-
-def _options(line: str) -> dict[str, Any]:
-    """``--name value`` pairs of a ``%%colossal`` line (flags map to True)."""
-    words, out = shlex.split(line), {}
-    i = 0
-    while i < len(words):
-        word = words[i]
-        if word.startswith("--"):
-            if i + 1 < len(words) and not words[i + 1].startswith("--"):
-                out[word], i = words[i + 1], i + 2
-                continue
-            out[word] = True
-        i += 1
-    return out
 
 
 def _commented(source: str, why: str) -> str:

@@ -86,7 +86,7 @@ def _exec_args(f):
     return _timeout_arg(f)
 
 
-def _unquote(text: str | None) -> str | None:
+def unquote(text: str | None) -> str | None:
     """IPython's magic argument splitter keeps the quotes around ``--plan "dp=2 tp=2"``."""
     if text and len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
         return text[1:-1]
@@ -94,7 +94,7 @@ def _unquote(text: str | None) -> str | None:
 
 
 def _names(text: str) -> list[str]:
-    text = _unquote(text) or ""
+    text = unquote(text) or ""
     return [n.strip() for n in text.split(",") if n.strip()]
 
 
@@ -181,8 +181,8 @@ class ColossalMagics(Magics):
             raise UsageError(f"{self.pool!r} is already running; use `%colossal restart`")
         pool = Pool(
             args.n, backend=args.backend, launcher=args.launcher,
-            controller_ip=args.controller_ip, hosts=_unquote(args.hosts),
-            launcher_options=[_unquote(o) for o in args.launcher_options],
+            controller_ip=args.controller_ip, hosts=unquote(args.hosts),
+            launcher_options=[unquote(o) for o in args.launcher_options],
             collective_timeout_s=args.timeout if args.timeout else 60.0,
             start_timeout_s=args.start_timeout if args.start_timeout else 120.0,
         )
@@ -250,7 +250,7 @@ class ColossalMagics(Magics):
         pool = self.pool
         ranks = self._targets(args.targets)
         try:
-            plan = Plan.parse(_unquote(args.plan)) if args.plan else self.default_plan
+            plan = Plan.parse(unquote(args.plan)) if args.plan else self.default_plan
             plan = plan.validate(pool.world_size)
         except PlanError as e:
             raise UsageError(f"--plan: {e}") from None
