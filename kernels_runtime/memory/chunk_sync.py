@@ -33,17 +33,18 @@ from kernels_runtime.memory.activation_reserve import ActivationReserve
 from kernels_runtime.memory.chunk_grads import ChunkGrads
 from kernels_runtime.memory.chunk_step import ChunkStep
 from kernels_runtime.memory.chunks import ChunkLayout, Unit, build_chunks, find_units
-from kernels_runtime.memory.frozen_chunks import FrozenRelease, frozen_named_params
+from kernels_runtime.memory.frozen_chunks import (
+    FrozenRelease,
+    frozen_named_params,
+    in_backward,
+    tensors_in,
+)
 from kernels_runtime.memory.placement import Placer, Trace, static_homes
 from kernels_runtime.memory.tiers import Payload, Tier, TierStore
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.shards import ParamLayout
 from kernels_runtime.parallel.data.zero import sharded_strategy
 from kernels_runtime.policies.deferred import materialize, move_real, to_be_loaded
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class ChunkGradSync(ChunkGrads, ChunkStep, FrozenRelease):
@@ -250,10 +251,10 @@ class ChunkGradSync(ChunkGrads, ChunkStep, FrozenRelease):
     def _after_forward(self, u: int, output) -> None:
         for i in self.units[u].chunks:
             self._active[i] -= 1
-        if _in_backward():  # a checkpointed block recomputing: its backward comes next
+        if in_backward():  # a checkpointed block recomputing: its backward comes next
             return
         if torch.is_grad_enabled():
-            outputs = _tensors(output)
+            outputs = tensors_in(output)
             for t in outputs:
                 if t.grad_fn is not None:  # a node pre-hook runs after the tensor's hooks, so
                     # the next unit's frozen weights are released before these are gathered
@@ -320,15 +321,4 @@ class ChunkGradSync(ChunkGrads, ChunkStep, FrozenRelease):
         self.placer.in_use.discard(param.key)
         self.placer.settle(param)
 
-
-def _tensors(output) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for o in output for t in _tensors(o)]
-    if isinstance(output, dict):
-        return [t for o in output.values() for t in _tensors(o)]
-    if hasattr(output, "to_tuple"):  # HF ModelOutput
-        return _tensors(output.to_tuple())
-    return []
 

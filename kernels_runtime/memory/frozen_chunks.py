@@ -33,17 +33,21 @@ def frozen_named_params(model: nn.Module, groups: list[Named]) -> Named:
             if id(p) not in trainable and not p.requires_grad and p.is_floating_point()]
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
+    """Inside autograd's backward (a checkpointed block re-running its forward there)."""
     return torch._C._current_graph_task_id() != -1
 
 
-def _tensors(value: object) -> list[torch.Tensor]:
+def tensors_in(value: object) -> list[torch.Tensor]:
+    """Every tensor in a module's inputs or outputs (tuples, lists, dicts, HF ModelOutput)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
+        return [t for v in value for t in tensors_in(v)]
     if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
+        return [t for v in value.values() for t in tensors_in(v)]
+    if hasattr(value, "to_tuple"):  # HF ModelOutput
+        return tensors_in(value.to_tuple())
     return []
 
 
@@ -70,9 +74,9 @@ class FrozenRelease:
     def _watch_inputs(self, u: int, args: tuple, kwargs: dict) -> None:
         """A forward that will have a backward: count the unit's inputs whose gradient marks
         the end of its backward (a checkpointed block recomputing inside backward adds none)."""
-        if _in_backward() or not torch.is_grad_enabled():
+        if in_backward() or not torch.is_grad_enabled():
             return
-        for t in _tensors(args) + _tensors(kwargs):
+        for t in tensors_in(args) + tensors_in(kwargs):
             if t.requires_grad:
                 self._inputs_waiting[u] += 1
                 t.register_hook(lambda g, u=u: self._input_grad_ready(u))
