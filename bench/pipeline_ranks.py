@@ -8,7 +8,8 @@ Theirs: ``torch.distributed.pipelining``'s ``PipelineStage`` built by hand from 
 blocks on the same split (``partition``, as our applier splits), run by ``ScheduleGPipe`` and
 ``Schedule1F1B`` with the same loss, the same tied-embedding gradient sum and the same SGD, so
 the two sides do the same work per step. Peak activation memory is what autograd keeps saved
-for backward at once (``pipeline_memory.PeakSaved``), the quantity a schedule's order changes.
+for backward at once (``kernels_runtime.calibrate.pipeline_memory.LiveSaved``), the quantity
+a schedule's order changes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench.pipeline_memory import PeakSaved
+from kernels_runtime.calibrate.pipeline_memory import LiveSaved
 
 OURS = ("gpipe", "1f1b", "interleaved", "zbv")
 THEIRS = {"torch GPipe": "gpipe", "torch 1F1B": "1f1b"}  # torch's schedule -> ours it faces
@@ -220,9 +221,9 @@ def run(rank: int, world: int, shape: Shape, rounds: int, steps: int,
             values.update(got[key])
     peak = {}
     for name, variant in made.items():
-        with PeakSaved() as meter:
+        with LiveSaved() as meter:
             variant.step(2 + rounds * steps)
-        peak[name] = meter.bytes
+        peak[name] = meter.peak
     timed_steps = {name: [[v.timelines[s] if isinstance(v, Ours) else v.steps[s]
                            for s in range(2 + r * steps, 2 + (r + 1) * steps)]
                           for r in range(rounds)] for name, v in made.items()}

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels_runtime.memory.saved_activations import SavedActivations
+from kernels_runtime.memory.saved_activations import SavedActivations, is_parameter
 
 Reading = tuple[int, dict[str, tuple[int, int]]]  # (wchar, {op: (calls, bytes)} on "tp")
 
@@ -106,7 +106,7 @@ class LocalSavedActivations(SavedActivations):
     the plain tensors inside it: what this rank holds."""
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if not _is_parameter(t):  # parameters are model state, as in SavedActivations
+        if not is_parameter(t):  # parameters are model state, as in SavedActivations
             for inner in _plain_tensors(t):
                 super()._pack(inner)
         return t
@@ -121,6 +121,3 @@ def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     inner = [getattr(t, name) for name in names]
     return [p for x in inner if isinstance(x, torch.Tensor) for p in _plain_tensors(x)]
 
-
-def _is_parameter(t: torch.Tensor) -> bool:
-    return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels_runtime.memory.saved_activations import BlockHookMeter, measured_with_replay
-
-
-def _is_parameter(t: torch.Tensor) -> bool:
-    return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
+from kernels_runtime.memory.saved_activations import (
+    BlockHookMeter,
+    is_parameter,
+    measured_with_replay,
+)
 
 
 class _Held:
@@ -55,7 +55,7 @@ class LiveSaved(BlockHookMeter):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if _is_parameter(t):
+        if is_parameter(t):
             return t
         storage = t.untyped_storage()
         key, nbytes = storage.data_ptr(), storage.nbytes()

@@ -31,16 +31,13 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from torch import nn
 
 from kernels_runtime.memory.placement import Placer
+from kernels_runtime.memory.saved_activations import is_parameter
 from kernels_runtime.memory.tiers import Tier
 
 ROOM_FACTOR = 2  # the fast path's room: activations may double before the budget is touched
 
-
-def _is_parameter(t: torch.Tensor) -> bool:
-    return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
 
 
 class ActivationReserve:
@@ -122,7 +119,7 @@ class ActivationReserve:
         now, peak = [0], [0]
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.device.type != self.device.type or _is_parameter(t):
+            if t.device.type != self.device.type or is_parameter(t):
                 return t
             storage = t.untyped_storage()
             entry = packs.setdefault(storage.data_ptr(), [0, storage.nbytes()])

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 
-def _is_parameter(t: torch.Tensor) -> bool:
+def is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one: model state, which no activation meter counts."""
     return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
 
 
@@ -55,7 +56,7 @@ class SavedActivations(BlockHookMeter):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if _is_parameter(t):
+        if is_parameter(t):
             return t
         storage = t.untyped_storage()
         if storage.data_ptr() not in self._seen:

@@ -58,8 +58,3 @@ class ParallelState:
 def parallel_state(model: nn.Module) -> ParallelState | None:
     """The record of a model that ``parallelize_model`` changed, else None."""
     return model.__dict__.get(ATTRIBUTE)
-
-
-def not_available(what: str) -> str:
-    """The refusal of a seam whose dimension has not landed yet: what to run instead."""
-    return f"{what} is not available yet; use dp and zero (e.g. \"dp=2 zero=2\")"

@@ -4,9 +4,9 @@ The prediction is the sum of small terms (``MEMORY_TERMS``, ``TIME_TERMS``), eac
 of one ``Setting``. 1D tensor parallelism, 2D / 2.5D grids (``grid``, ``grid_comm``),
 sequence parallelism (split_gather, all_to_all, ring), pipeline parallelism (``pipeline``) and
 offloading to host and disk (``offload``: ``OFFLOAD_MEMORY_TERMS`` / ``OFFLOAD_TIME_TERMS``
-replace the model-state, buffer and optimizer terms) have their terms; inference joins as new
-terms here (and in ``NOT_MODELED``, empty now). A plan that uses what has no terms is refused
-with a clear message rather than predicted wrongly.
+replace the model-state, buffer and optimizer terms) have their terms; every field of a
+``Plan`` has one, and what a workload's shape cannot take is refused (``_check_shapes``)
+rather than predicted wrongly.
 
 Under pp ranks differ (``_predict_pipelined``): the terms run once per pipeline rank, the
 memory is the rank with the largest peak, the time the rank that ends the step last, with the
@@ -51,7 +51,6 @@ OFFLOAD_MEMORY_TERMS: list[Callable[[Setting], list[MemoryItem]]] = [
 OFFLOAD_TIME_TERMS: list[Callable[[Setting], list[TimeItem]]] = [
     offload.device_optimizer if t is timing.optimizer else t for t in TIME_TERMS] + [
     offload.offload_time]
-NOT_MODELED: dict[str, tuple[object, str]] = {}  # plan field -> (value needing no term, what)
 WINDOWS = ("forward", "backward", "backward_last", "forward_attention", "backward_attention",
            "forward_products", "backward_products")
 
@@ -192,8 +191,6 @@ def plan_label(plan: Plan) -> str:
     """Short form of a plan, e.g. ``dp=4 tp=2 sp_mode=split_gather zero=2 bf16 mb=4 ckpt``,
     ``dp=1 tp=8 tp_mode=2.5d tp_depth=2 zero=0 fp32`` or ``dp=2 tp=2 pp=2 schedule=interleaved
     chunks=2 zero=1 bf16 mb=8`` (parses back)."""
-    if any(getattr(plan, k) != v for k, (v, _) in NOT_MODELED.items()):
-        return plan.to_string()
     label = f"dp={plan.dp}"
     label += f" tp={plan.tp}" if plan.tp > 1 else ""
     if plan.pp > 1:
@@ -213,15 +210,6 @@ def plan_label(plan: Plan) -> str:
         label += "".join(f" {item}" for item in plan.to_string().split()
                          if item.partition("=")[0] in names)
     return label
-
-
-def _check_modeled(plan: Plan) -> None:
-    missing = [f"{name}={getattr(plan, name)} ({what})"
-               for name, (plain, what) in NOT_MODELED.items() if getattr(plan, name) != plain]
-    if missing:
-        raise PlanError("the cost model has no terms yet for " + "; ".join(missing)
-                        + "; it predicts dp/tp (1d, 2d, 2.5d)/sp/pp/zero/precision/"
-                        "microbatches/checkpointing/offload plans")
 
 
 def _check_shapes(plan: Plan, spec: ModelSpec) -> None:
@@ -253,7 +241,6 @@ def predict(plan: Plan | str, model: Any, hardware: HardwareProfile | str = "H10
             raise PlanError("dp=auto needs world_size: pass world_size= or write dp=N")
         world_size = plan.dp * plan.tp * plan.pp * plan.sp
     plan = plan.validate(world_size, spec.plan_config())
-    _check_modeled(plan)
     pipeline.check(plan)
     _check_shapes(plan, spec)
     if not hw.supports(plan.precision):

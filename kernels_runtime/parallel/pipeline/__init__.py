@@ -1,4 +1,6 @@
-"""Pipeline parallelism: stages from the policy's split points, and schedules (GPipe, 1F1B,
-interleaved) that ``train_step`` runs in place of the sequential one. The seam is in place
-(``applier.py``; ``ParallelState.schedule``; the pp neighbours and the embedding group of
-``ParallelContext``); plans with pp > 1 are refused until the schedules land."""
+"""Pipeline parallelism: stages from the policy's split points (``partition.py``,
+``applier.py``, ``stage.py``) and the schedules ``train_step`` runs in place of the sequential
+one: GPipe, 1F1B, interleaved and zero-bubble V (``schedules.py`` orders the work,
+``executor.py`` runs it, ``p2p.py`` carries activations and gradients between neighbours,
+``weight_grad.py`` defers zbv's weight gradients, ``simulate.py`` replays a schedule's timing
+for the planner)."""

@@ -87,17 +87,17 @@ def test_peak_saved_sees_backward_free_a_micro_batch():
     hold twice what one forward-backward at a time holds."""
     import torch
 
-    from bench.pipeline_memory import PeakSaved
+    from kernels_runtime.calibrate.pipeline_memory import LiveSaved
 
     layer = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     batches = [torch.randn(8, 16) for _ in range(2)]
-    with PeakSaved() as together:
+    with LiveSaved() as together:
         losses = [layer(x).sum() for x in batches]
         for loss in losses:
             loss.backward()
     del losses
-    with PeakSaved() as one_at_a_time:
+    with LiveSaved() as one_at_a_time:
         for x in batches:
             layer(x).sum().backward()
-    assert one_at_a_time.bytes > 0 and one_at_a_time.live == {}
-    assert together.bytes == 2 * one_at_a_time.bytes
+    assert one_at_a_time.peak > 0 and one_at_a_time.live == {}
+    assert together.peak == 2 * one_at_a_time.peak
