@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -95,8 +96,10 @@ class RankSession:
             rank, world_size, master_addr, master_port, backend, timeout_s, local_rank
         )
         _share_cores(state, local_world_size)
-        export_environment(state, master_port, local_world_size)
-        return cls(state=state, comm=Collectives(CommStats(), timeout_s=timeout_s))
+        exported = export_environment(state, master_port, local_world_size)
+        session = cls(state=state, comm=Collectives(CommStats(), timeout_s=timeout_s))
+        session.extras["environment"] = exported
+        return session
 
     @classmethod
     def from_env(cls, timeout_s: float = 60.0) -> RankSession:
@@ -129,10 +132,17 @@ class RankSession:
         self.state = init_distributed(
             s.rank, s.world_size, s.master_addr, master_port, s.backend, s.timeout_s, s.local_rank
         )
-        export_environment(self.state, master_port,
-                           int(os.environ.get("LOCAL_WORLD_SIZE", s.world_size)))
+        self.extras["environment"] = export_environment(
+            self.state, master_port, int(os.environ.get("LOCAL_WORLD_SIZE", s.world_size)))
         self.comm.timeout_s = s.timeout_s
         self.broken = False
+
+    def restore_environment(self) -> None:
+        """Export again the variables ``export_environment`` set (a pool rank runs this
+        before every cell): a library may delete them when it finishes, as Lightning's
+        ``LightningEnvironment.teardown`` deletes ``WORLD_SIZE`` at the end of ``fit``, and
+        the next cell's ``Trainer`` must still find the pool's group."""
+        os.environ.update(self.extras.get("environment", {}))
 
     def close(self) -> None:
         self.comm.meshes.clear()
@@ -156,16 +166,26 @@ class RankSession:
 
 
 def export_environment(state: DistributedState, master_port: int,
-                       local_world_size: int) -> None:
+                       local_world_size: int) -> dict[str, str]:
     """torchrun's variables for this rank's group, so code written for torchrun (HF
     ``Trainer``, ``accelerate``, Lightning) run in a cell finds the pool's group: these
     libraries read ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` to decide they are distributed, and
-    use the default group that already exists instead of creating a second one."""
-    os.environ.update({
+    use the default group that already exists instead of creating a second one. Returns
+    what it set.
+
+    It also removes the prompt markers (``sys.ps1``..``ps3``) the engine's IPython shell sets
+    "so that scripts can decide if they are running interactively": a rank is a launched
+    worker, as under torchrun, and Lightning reads ``sys.ps1`` to refuse
+    ``Trainer(strategy="ddp")`` in a notebook (where it would have to launch processes)."""
+    values = {
         "RANK": str(state.rank), "WORLD_SIZE": str(state.world_size),
         "LOCAL_RANK": str(state.local_rank), "LOCAL_WORLD_SIZE": str(local_world_size),
         "MASTER_ADDR": state.master_addr, "MASTER_PORT": str(master_port),
-    })
+    }
+    os.environ.update(values)
+    for prompt in ("ps1", "ps2", "ps3"):
+        sys.__dict__.pop(prompt, None)
+    return values
 
 
 def _share_cores(state: DistributedState, local_world_size: int) -> None:

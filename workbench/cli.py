@@ -15,19 +15,31 @@ DEMO_NOTEBOOKS = [REPO_ROOT / "notebooks" / name
                   for name in ("00_quickstart.ipynb", "01_pretrain_gpt.ipynb")]
 
 
+RUN_DESCRIPTION = """Execute notebooks headless in a fresh kernel each, printing their output.
+-p sets papermill-style parameters. The pool options (--launcher, -n, --nodes, ...) are those
+of %colossal start: they reach the kernel as $WORKBENCH_START_OPTIONS, which %colossal start
+reads after its line's own options, so they win over the notebook's (the file is not edited).
+Example: workbench run nb.ipynb -p STEPS=1000 --launcher slurm --controller-ip 10.0.0.5 -n 8
+--nodes 2 --save out/nb.ipynb"""
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from workbench.notebook_runner import ParameterError, parse_parameter, run_notebook
+    from workbench.start_options import to_line
 
     try:
         parameters = dict(parse_parameter(p) for p in getattr(args, "parameters", None) or [])
-    except ParameterError as err:
+        start = to_line(args, getattr(args, "nodes", None)) if hasattr(args, "launcher") else ""
+    except (ParameterError, ValueError) as err:
         print(f"workbench run: {err}", file=sys.stderr)
         return 2
+    if start:
+        print(f"== pools start with: {start}", flush=True)
     for path in args.notebooks:
         print(f"== running {path}", flush=True)
         try:
             run_notebook(path, timeout_s=args.timeout, save_to=args.save,
-                         parameters=parameters)
+                         parameters=parameters, start_options=start)
         except ParameterError as err:  # parameters the notebook does not take
             print(f"workbench run {path}: {err}", file=sys.stderr)
             return 2
@@ -133,13 +145,23 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--no-finetune", action="store_true",
                       help="skip the fine-tuning part (it converts SmolLM2 on first use)")
     demo.set_defaults(func=_cmd_demo)
-    run = sub.add_parser("run", help="execute notebooks headless, printing their output")
+    run = sub.add_parser("run", help="execute notebooks headless, printing their output",
+                         description=RUN_DESCRIPTION)
     run.add_argument("notebooks", nargs="+", type=Path)
     run.add_argument("--timeout", type=int, default=900, help="seconds per cell")
-    run.add_argument("--save", type=Path, default=None, help="write the executed notebook here")
+    run.add_argument("--save", type=Path, default=None,
+                     help="write the executed notebook here, and the last %%%%colossal cell's "
+                     "dashboard report beside it (NAME.report.html)")
     run.add_argument("-p", "--parameter", action="append", dest="parameters", default=[],
                      metavar="NAME=VALUE", help="repeatable: set a variable of the cell tagged "
                      "'parameters' (papermill's convention), e.g. -p STEPS=20")
+    from workbench.start_options import add_launch_options
+
+    pool = run.add_argument_group(
+        "the notebook's pool", "applied to its %colossal start line(s), over their own values")
+    add_launch_options(pool)
+    pool.add_argument("--nodes", type=int, default=None,
+                      help="slurm: spread the ranks over this many nodes (sbatch --nodes)")
     run.set_defaults(func=_cmd_run)
     export = sub.add_parser(
         "export-script", help="write a notebook's %%%%colossal cells as a torchrun script")

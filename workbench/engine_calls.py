@@ -28,7 +28,8 @@ def publish_telemetry(snapshot: dict[str, Any]) -> None:
 
 
 class TelemetryCellHooks:
-    """``pre_run_cell``: pause the step clock; ``post_run_cell``: flush the telemetry.
+    """``pre_run_cell``: pause the step clock and export torchrun's variables again;
+    ``post_run_cell``: flush the telemetry.
 
     Looks the session up in the namespace at each call, so it survives ``start_rank`` replacing
     the session; registered once per engine shell."""
@@ -40,6 +41,7 @@ class TelemetryCellHooks:
         session = self.namespace.get("session")
         if session is not None:
             session.telemetry.pause()
+            session.restore_environment()  # a library may have deleted torchrun's variables
 
     def post_run_cell(self, result: Any) -> None:
         session = self.namespace.get("session")

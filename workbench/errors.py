@@ -58,12 +58,14 @@ def _rank_list(ranks: list[int]) -> str:
 
 
 class RankFailureError(RuntimeError):
-    """A ``%%colossal`` cell failed on one or more ranks."""
+    """A ``%%colossal`` cell failed on one or more ranks. ``hint`` (what to do next: restart
+    the pool, the plans that fit a rank out of memory) follows the summary in ``str()`` too,
+    for scripts that print the error rather than IPython's rendering of it."""
 
     def __init__(self, failures: list[RankError], hint: str = "") -> None:
         self.failures = sorted(failures, key=lambda f: f.rank)
         self.hint = hint
-        super().__init__(self.summary())
+        super().__init__(self.summary() + (f"\n{hint}" if hint else ""))
 
     @property
     def ranks(self) -> list[int]:

@@ -11,6 +11,8 @@ Failure policy, chosen so the notebook never hangs:
 - the kernel's interrupt: SIGINT to every busy rank, then KeyboardInterrupt in the notebook;
 - after any failure the process group is marked for re-creation before the next cell, since an
   interrupted or timed-out collective leaves gloo and nccl groups unusable.
+- a rank out of device, host or disk memory: the error also names the tier, the budget that
+  rank measures and the plans the planner predicts would fit (``oom_hint``).
 
 Live data: what ranks publish with datapub (``AsyncResult.data``, the latest value per key) is
 handed to an optional ``data_sink`` from the same loop, at most every ``data_interval_s``, and
@@ -33,6 +35,7 @@ from ipyparallel.error import RemoteError
 
 from workbench.errors import PoolError, RankError, RankFailureError
 from workbench.lab.state import PoolStateFile
+from workbench.oom_hint import memory_hint
 from workbench.pool import Pool
 
 StreamSink = Callable[[int, str, str], None]  # (rank, "stdout"|"stderr", text)
@@ -243,6 +246,7 @@ def _run(pool: Pool, code: str, ranks: list[int], stream: StreamSink, display: D
         hint = ""
         if any(f.kind == "died" for f in failures):
             hint = "Run `%colossal restart` to bring back a full pool."
+        hint = "\n\n".join(h for h in (memory_hint(pool, failures), hint) if h)
         raise RankFailureError(failures, hint=hint)
     results = {r: m["execute_result"] for r, m in zip(ranks, md) if m.get("execute_result")}
     return CellOutcome(ranks, time.perf_counter() - t0, results)

@@ -9,11 +9,12 @@ and from the plan's own keys, so completion cannot drift from what is accepted.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import Any
 
 from kernels_runtime.mesh.plan import plan_keys
 
-SUBCOMMANDS = ("start", "stop", "restart", "status", "serve")
+SUBCOMMANDS = ("start", "stop", "restart", "status", "serve", "push")
 
 
 def option_strings(parser: argparse.ArgumentParser) -> list[str]:
@@ -23,11 +24,13 @@ def option_strings(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def candidates(line: str, symbol: str, pool_options: list[str], cell_options: list[str],
-               serve_options: list[str]) -> list[str]:
+               serve_options: list[str], push_options: Sequence[str] = ("--help",),
+               variables: Sequence[str] = ()) -> list[str]:
     """The completions of ``symbol`` (the word being typed) in a ``%colossal`` line.
 
     After ``--plan`` (or inside its quotes) plan keys as ``key=``; in a cell magic line cell
-    options; after a subcommand its options; as the first word, the subcommands."""
+    options; after a subcommand its options; after ``push`` the notebook's ``variables`` not
+    named yet (its options once ``-`` is typed); as the first word, the subcommands."""
     words = line.split()
     cell = bool(words) and words[0].startswith("%%")
     rest = words[1:] if words and words[0].lstrip("%") == "colossal" else words
@@ -41,6 +44,12 @@ def candidates(line: str, symbol: str, pool_options: list[str], cell_options: li
         return [o for o in cell_options if o.startswith(word)]
     if not done:
         return sorted(c for c in SUBCOMMANDS if c.startswith(word))
+    if done[0] == "push":
+        if word.startswith("-"):
+            return [o for o in push_options if o.startswith(word)]
+        named = set(done[1:])
+        return sorted(v for v in variables
+                      if v.startswith(word) and not v.startswith("_") and v not in named)
     options = serve_options if done[0] == "serve" else pool_options
     return [o for o in options if o.startswith(word)]
 
@@ -56,11 +65,16 @@ def _inside_plan(done: list[str]) -> bool:
 def register(ip: Any, pool_parser: argparse.ArgumentParser,
              cell_parser: argparse.ArgumentParser,
              serve_parser: argparse.ArgumentParser) -> None:
-    """Install the hook for both the line and the cell form."""
+    """Install the hook for both the line and the cell form (``push`` completes the names
+    in the shell's namespace at the time of asking)."""
+    from workbench.magics import push_parser
+
     pool, cell, serve = (option_strings(p) for p in (pool_parser, cell_parser, serve_parser))
+    push = option_strings(push_parser())
 
     def complete(_self: Any, event: Any) -> list[str]:
-        return candidates(event.line, event.symbol, pool, cell, serve)
+        return candidates(event.line, event.symbol, pool, cell, serve, push,
+                          list(ip.user_ns))
 
     for key in ("%colossal", "%%colossal", "colossal"):
         ip.set_hook("complete_command", complete, str_key=key)

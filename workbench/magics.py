@@ -30,6 +30,7 @@ from workbench.execution import cell_label, run_cell
 from workbench.pool import Pool
 from workbench.ranks import tp_groups_within_hosts
 from workbench.serving.magic import guard_cell, resume_after_restart, serve_command
+from workbench.start_options import LAUNCH_OPTIONS, with_env_options
 
 POOL_COMMANDS = ("start", "stop", "restart", "status")
 
@@ -43,23 +44,10 @@ def _timeout_arg(f):
 
 
 def _pool_args(f):
+    # the launch options are shared with ``workbench run`` (workbench.start_options)
     for arg in reversed([
         argument("command", nargs="?", default="status", choices=POOL_COMMANDS),
-        argument("-n", type=int, default=None,
-                 help="number of ranks (default: one per GPU, else 2 CPU ranks)"),
-        argument("--backend", choices=("gloo", "nccl"), default=None),
-        argument("--launcher", default="local",
-                 help="ipyparallel engine launcher: local, mpi, slurm, ssh, ..."),
-        argument("--controller-ip", default=None,
-                 help="address the controller binds to (required for remote launchers)"),
-        argument("--hosts", default=None,
-                 help="ssh launcher: engines per host, e.g. node1:2,node2:2"),
-        argument("--launcher-option", action="append", default=[], dest="launcher_options",
-                 help="repeatable; slurm: an sbatch option (--launcher-option=--partition=gpu)"
-                      ", mpi: an mpiexec argument"),
-        argument("--start-timeout", type=float, default=None,
-                 help="seconds start/restart wait for engines, a queued Slurm job included "
-                      "(default 120)"),
+        *(argument(*flags, **settings) for flags, settings in LAUNCH_OPTIONS),
     ]):
         f = arg(f)
     return _timeout_arg(f)
@@ -144,16 +132,19 @@ class ColossalMagics(Magics):
     def colossal(self, line: str, cell: str | None = None) -> Any:
         """%colossal start|stop|restart|status [-n N] [--backend B] [--launcher L]
         %colossal serve ENGINE [--port P] [--host H] [--api-key K | --no-api-key] | --stop
+        %colossal push NAME [NAME ...] [--targets 0,1]
         %%colossal [--plan P] [--targets 0,1] [--output rank0|all] [--push a] [--pull b]
                    [--dashboard | --no-dashboard] [--timeout S]
         """
         words = line.split()
         if "--help" in words or "-h" in words:
-            print(_help(cell is not None, words[:1] == ["serve"]))
+            print(_help(cell is not None, words[:1] == ["serve"], words[:1] == ["push"]))
             return None
         if cell is None:
             if words[:1] == ["serve"]:
                 return serve_command(self, line)
+            if words[:1] == ["push"]:
+                return self._push_command(line.split(None, 1)[1] if len(words) > 1 else "")
             return self._pool_command(line)
         guard_cell(self)
         return self.run_cell_magic_unguarded(line, cell)
@@ -170,6 +161,8 @@ class ColossalMagics(Magics):
         """%colossal start|stop|restart|status"""
 
     def _pool_command(self, line: str) -> Any:
+        if line.split()[:1] in (["start"], ["restart"]):  # ``workbench run``'s options win
+            line = with_env_options(line)
         args = parse_argstring(self._pool_parser, line)
         try:
             return getattr(self, f"_cmd_{args.command}")(args)
@@ -219,6 +212,45 @@ class ColossalMagics(Magics):
             return
         print(format_status(self.pool))
 
+    # ---- line: send notebook variables to the ranks --------------------------------------
+    @magic_arguments()
+    @argument("--targets", default=None, help="comma-separated ranks, e.g. 0,1 (default: all)")
+    @argument("names", nargs="*", help="notebook variables to send to every rank: a b (or a,b)")
+    def _push_parser(self, line: str) -> None:
+        """%colossal push NAME [NAME ...]"""
+
+    def _push_command(self, line: str) -> None:
+        """``%colossal push a b``: the cell's ``--push`` without a cell, for values the next
+        cells on the ranks read (a config, a tokenizer, a list of prompts)."""
+        args = parse_argstring(self._push_parser, line)
+        names = [n for word in args.names for n in _names(word)]
+        if not names:
+            raise UsageError("push: name the notebook variables to send, e.g. "
+                             "`%colossal push config prompts`")
+        self._check_idle_pool()
+        ranks = self._targets(args.targets)
+        self._push(names, ranks, "push")
+        print(f"colossal: sent {', '.join(names)} to ranks {', '.join(map(str, ranks))}")
+
+    def _check_idle_pool(self) -> None:
+        if self.pool is None or not self.pool.started:
+            raise UsageError("no pool is running: start one with `%colossal start` (e.g. -n 2)")
+        if self.background is not None and not self.background.ready():
+            raise UsageError(f"a --noblock cell still runs on ranks {self.background.ranks}: "
+                             "wait for it (handle.wait()) or stop it (handle.interrupt()) "
+                             "first")
+
+    def _values(self, names: list[str], what: str) -> dict[str, Any]:
+        """The notebook's values of ``names``, or a UsageError listing those not defined."""
+        missing = [n for n in names if n not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"{what}: not defined in the notebook: {', '.join(missing)}")
+        return {n: self.shell.user_ns[n] for n in names}
+
+    def _push(self, names: list[str], ranks: list[int], what: str) -> None:
+        values = self._values(names, what)
+        self.pool.view(ranks).push(values, block=True)  # type: ignore[union-attr]
+
     # ---- cell: run on ranks ------------------------------------------------------------
     @magic_arguments()
     @_exec_args
@@ -241,13 +273,9 @@ class ColossalMagics(Magics):
 
     def _run_cell(self, line: str, cell: str) -> BackgroundCell | None:
         args = parse_argstring(self._cell_parser, line)
-        if self.pool is None or not self.pool.started:
-            raise UsageError("no pool is running: start one with `%colossal start` (e.g. -n 2)")
-        if self.background is not None and not self.background.ready():
-            raise UsageError(f"a --noblock cell still runs on ranks {self.background.ranks}: "
-                             "wait for it (handle.wait()) or stop it (handle.interrupt()) "
-                             "first")
+        self._check_idle_pool()
         pool = self.pool
+        assert pool is not None
         ranks = self._targets(args.targets)
         try:
             plan = Plan.parse(unquote(args.plan)) if args.plan else self.default_plan
@@ -258,12 +286,10 @@ class ColossalMagics(Magics):
         if across:
             raise UsageError(f"--plan: {across}")
         pushes = _names(args.push)
-        missing = [n for n in pushes if n not in self.shell.user_ns]
-        if missing:
-            raise UsageError(f"--push: not defined in the notebook: {', '.join(missing)}")
+        self._values(pushes, "--push")  # every name defined, before the plan goes out
         self._send_plan(plan, ranks)
         if pushes:
-            pool.view(ranks).push({n: self.shell.user_ns[n] for n in pushes}, block=True)
+            self._push(pushes, ranks, "--push")
         printer = _StreamPrinter(ranks[0], args.output == "all")
         live = LiveDashboard(ranks, mode=args.dashboard, label=f"%%colossal {line}".strip())
         self.last_run = live.history
@@ -307,9 +333,18 @@ def parsers() -> tuple[Any, Any, Any]:
     return pool, cell, serve_parser()
 
 
-def _help(cell: bool, serve: bool) -> str:
+def push_parser() -> Any:
+    """The parser of ``%colossal push``, named as the user types it."""
+    parser = ColossalMagics._push_parser.parser
+    parser.prog = "colossal push"
+    return parser
+
+
+def _help(cell: bool, serve: bool, push: bool = False) -> str:
     pool_parser, cell_parser, serve_parser = parsers()
-    return _plain((cell_parser if cell else serve_parser if serve else pool_parser).format_help())
+    chosen = cell_parser if cell else serve_parser if serve else \
+        push_parser() if push else pool_parser
+    return _plain(chosen.format_help())
 
 
 def _plain(text: str) -> str:
@@ -324,13 +359,15 @@ _OVERVIEW = """Run PyTorch on a pool of ranks from this notebook.
 %%colossal --plan "dp=2 zero=1"      run the cell on every rank under a parallel plan
 %colossal serve ENGINE               an OpenAI-compatible endpoint for an engine on the ranks
 %colossal serve --status | --stop    the endpoint's requests and queue; stop it
+%colossal push config prompts        send notebook variables to every rank (--targets 0,1)
 Add --help to any of them for its options alone. Every option:
 """
 
 
 def full_help() -> str:
     """``%colossal?``: what the magic does, then every option of its three forms."""
-    return "\n".join([_OVERVIEW, *(_plain(p.format_help()) for p in parsers())])
+    return "\n".join([_OVERVIEW, *(_plain(p.format_help())
+                                   for p in (*parsers(), push_parser()))])
 
 
 def _progress(note: str) -> None:

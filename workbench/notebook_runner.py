@@ -6,6 +6,13 @@ the notebooks CI executes. Widget state is not stored (it would add megabytes pe
 Parameters work as papermill's do, so a notebook becomes an unattended job: the cell tagged
 ``parameters`` holds the defaults, and ``workbench run NB -p STEPS=1000`` runs a copy with a cell
 assigning the new values inserted right after it (tagged ``injected-parameters``).
+
+``start_options`` (``workbench run --launcher slurm -n 4 ...``) reach the kernel's
+``%colossal start`` through ``$WORKBENCH_START_OPTIONS`` (``workbench.start_options``), so one
+notebook runs on any launcher unedited. With ``save_to``, the last ``%%colossal`` cell's
+dashboard is written beside the executed notebook as a standalone report (``NAME.report.html``,
+``Dashboard.to_html``) by one more cell, run in the same kernel after the notebook's last and
+kept out of the saved notebook.
 """
 
 from __future__ import annotations
@@ -18,6 +25,16 @@ from typing import Any, TextIO
 
 import nbformat
 from nbclient import NotebookClient
+
+from workbench.start_options import ENV as START_OPTIONS_ENV
+
+# run after the notebook's cells in its kernel: the dashboard of the last %%colossal cell
+REPORT_CELL = """import workbench as _workbench
+try:
+    print("dashboard report:", _workbench.dashboard().to_html({path!r}))
+except ValueError as _e:  # no %%colossal cell ran: nothing to report
+    print("no dashboard report:", _e)
+"""
 
 
 def _output_text(output: dict[str, Any]) -> str:
@@ -87,14 +104,19 @@ def run_notebook(
     kernel_name: str = "python3",
     workdir: str | os.PathLike[str] | None = None,
     parameters: dict[str, Any] | None = None,
+    start_options: str = "",
 ) -> nbformat.NotebookNode:
     """Run every cell of ``path`` in a fresh kernel (started in ``workdir``, default: the
-    notebook's folder) with ``parameters`` injected (module docstring); raise on the first
-    error."""
+    notebook's folder) with ``parameters`` injected and ``start_options`` given to its
+    ``%colossal start`` (module docstring); raise on the first error. With ``save_to``, write
+    the executed notebook there and the dashboard report beside it."""
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
     if parameters:
         inject_parameters(nb, parameters)
+    report = report_path(save_to).resolve() if save_to is not None else None
+    if report is not None:
+        nb.cells.append(nbformat.v4.new_code_cell(REPORT_CELL.format(path=str(report))))
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")
     client = NotebookClient(
         nb,
@@ -110,7 +132,21 @@ def run_notebook(
             echo.flush()
 
         client.on_cell_executed = on_cell_executed
-    client.execute()
+    env = {k: v for k, v in os.environ.items() if k != START_OPTIONS_ENV}
+    if start_options:  # this run's, never inherited ones
+        env[START_OPTIONS_ENV] = start_options
+    try:
+        client.execute(env=env)
+    finally:
+        if report is not None:
+            nb.cells.pop()  # the report cell is the runner's, not the notebook's
     if save_to is not None:
         nbformat.write(nb, save_to)
     return nb
+
+
+def report_path(save_to: str | os.PathLike[str]) -> Path:
+    """Where the dashboard report of a notebook saved at ``save_to`` goes: beside it,
+    ``run.ipynb`` -> ``run.report.html``."""
+    save_to = Path(save_to)
+    return save_to.with_name(save_to.stem + ".report.html")

@@ -30,3 +30,20 @@ def smollm2_greedy(smollm2) -> Greedy:
     assert any(len(t) < real_model.NEW for t in tokens), tokens
     assert any(len(t) == real_model.NEW for t in tokens), tokens
     return Greedy(prompts, tokens)
+
+
+@pytest.fixture
+def slurm(tmp_path_factory):
+    """A one-node Slurm cluster on this host (real munged, slurmctld, slurmd; root only), for
+    tests that start pools with ``--launcher slurm``; clients find it through ``slurm.env()``.
+    ``test_slurm.py`` keeps a module-wide one of its own."""
+    import socket
+
+    from helpers.prereq import require
+    from helpers.slurm_cluster import SlurmCluster, SlurmNode
+
+    require(["slurmctld", "slurmd", "munged", "sbatch"], root=True, why="Slurm launcher")
+    node = SlurmNode(socket.gethostname(), "127.0.0.1", cpus=4)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"), node, [node]).start()
+    yield cluster
+    cluster.stop()

@@ -4,7 +4,11 @@ Jupyter kills a slow kernel with SIGKILL at shutdown; no ``Pool.stop`` runs then
 reaper (``workbench.reaper``), the engines' SIGTERM handling and the forked parent's escalation
 (``workbench.engine``) must still end every process the pool started: the controller, the
 forked engine parent, the engines and their nannies, within 30 s, and remove the pool's spill
-folders. Each case drives a real Jupyter kernel with a real 2-rank pool on gloo.
+folders. Each case drives a real Jupyter kernel with a real 2-rank pool on gloo: a dp=2
+training cell and a served engine with 8 streams in flight, each on a local pool and on a Slurm
+pool (real daemons; there the job must also leave ``squeue``, and the served model is the real
+SmolLM2, built as ``workbench serve --model`` builds it). The processes are counted from the
+kernel's process tree (and the job's, on Slurm) before the kill.
 """
 
 from __future__ import annotations
@@ -122,12 +126,10 @@ def test_kernel_killed_during_a_dp2_training_cell_leaves_no_process_or_spill(tmp
         _cleanup(kernel, tree)
 
 
-def _stream(url: str, key: str, started: threading.Semaphore) -> None:
+def _stream(url: str, body: dict, key: str, started: threading.Semaphore) -> None:
     """One streamed completion, read until the server goes away."""
-    body = {"model": "engine", "prompt": "def f(x", "max_tokens": 1500, "temperature": 0,
-            "stream": True}
     with contextlib.suppress(httpx.HTTPError), httpx.stream(
-            "POST", url + "/v1/completions", json=body, timeout=60,
+            "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60,
             headers={"Authorization": f"Bearer {key}"}) as response:
         first = True
         for _ in response.iter_lines():
@@ -136,27 +138,35 @@ def _stream(url: str, key: str, started: threading.Semaphore) -> None:
                 first = False
 
 
-def test_kernel_killed_while_serving_streams_leaves_no_process_or_spill(tmp_path):
+def _serve_streams(kernel: KernelSession, build_cell: str, body: dict) -> list[threading.Thread]:
+    """Build ``engine`` on the ranks (each also claiming its spill folder), serve it with
+    ``%colossal serve`` and return once ``STREAMS`` streamed completions are answering."""
     from workbench.serving.server import free_port
 
+    kernel.run_ok(build_cell + "from kernels_runtime.memory.spill import SpillDir, "
+                  "spill_root\nspill = SpillDir(spill_root(), rank)\n", timeout_s=300)
+    port = free_port()
+    kernel.run_ok(f"%colossal serve engine --port {port} --no-dashboard", timeout_s=120)
+    key = kernel.run_ok(f"from workbench.serving import api_key\nprint(api_key({port}))")
+    url = f"http://127.0.0.1:{port}"
+    started = threading.Semaphore(0)
+    clients = [threading.Thread(target=_stream, args=(url, body, key.text.strip(), started),
+                                daemon=True) for _ in range(STREAMS)]
+    for c in clients:
+        c.start()
+    for _ in range(STREAMS):
+        assert started.acquire(timeout=120), "a stream never started"
+    return clients
+
+
+def test_kernel_killed_while_serving_streams_leaves_no_process_or_spill(tmp_path):
     spill_root = tmp_path / "spill"
     kernel = KernelSession(env={"WORKBENCH_SPILL_DIR": str(spill_root)})
     tree: list[psutil.Process] = []
     try:
         kernel.run_ok("%load_ext workbench\n%colossal start -n 2 --timeout 10", timeout_s=180)
-        kernel.run_ok(SERVE_BUILD + "from kernels_runtime.memory.spill import SpillDir, "
-                      "spill_root\nspill = SpillDir(spill_root(), rank)\n", timeout_s=120)
-        port = free_port()
-        kernel.run_ok(f"%colossal serve engine --port {port} --no-dashboard", timeout_s=120)
-        key = kernel.run_ok(f"from workbench.serving import api_key\nprint(api_key({port}))")
-        url = f"http://127.0.0.1:{port}"
-        started = threading.Semaphore(0)
-        clients = [threading.Thread(target=_stream, args=(url, key.text.strip(), started),
-                                    daemon=True) for _ in range(STREAMS)]
-        for c in clients:
-            c.start()
-        for _ in range(STREAMS):
-            assert started.acquire(timeout=60), "a stream never started"
+        body = {"model": "engine", "prompt": "def f(x", "max_tokens": 1500, "temperature": 0}
+        clients = _serve_streams(kernel, SERVE_BUILD, body)
         tree = _pool_tree(kernel.km.provisioner.process.pid)
         assert "--workbench-fork=2" in " ".join(" ".join(p.cmdline()) for p in tree)
         assert len([f for f in spill_root.glob("pool-*/rank*") if f.is_dir()]) == 2
@@ -171,20 +181,6 @@ def test_kernel_killed_while_serving_streams_leaves_no_process_or_spill(tmp_path
         _cleanup(kernel, tree)
 
 
-@pytest.fixture
-def slurm(tmp_path_factory):
-    import socket
-
-    from helpers.prereq import require
-    from helpers.slurm_cluster import SlurmCluster, SlurmNode
-
-    require(["slurmctld", "slurmd", "munged", "sbatch"], root=True, why="Slurm launcher")
-    node = SlurmNode(socket.gethostname(), "127.0.0.1", cpus=4)
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"), node, [node]).start()
-    yield cluster
-    cluster.stop()
-
-
 def _job_processes(job: str) -> list[psutil.Process]:
     """The processes Slurm runs for ``job`` on this host (srun's tasks: the engines)."""
     found = []
@@ -195,35 +191,78 @@ def _job_processes(job: str) -> list[psutil.Process]:
     return found
 
 
+def _start_slurm_pool(kernel: KernelSession) -> str:
+    """A 2-rank pool whose engines are one Slurm job; returns the job id."""
+    kernel.run_ok("%load_ext workbench\n%colossal start -n 2 --launcher slurm "
+                  "--controller-ip 127.0.0.1 --timeout 10", timeout_s=180)
+    jobs = kernel.run_ok("from workbench.magics import active_pool\n"
+                         "print(*active_pool(get_ipython()).slurm_jobs())").text.split()
+    assert len(jobs) == 1, jobs
+    return jobs[0]
+
+
+def _slurm_tree(kernel: KernelSession, job: str) -> list[psutil.Process]:
+    """The kernel's descendants and the job's processes (2 engines among them)."""
+    engines = _job_processes(job)
+    ranks = [p for p in engines if p.name() != "srun" and "workbench.engine" in p.cmdline()]
+    assert len(ranks) == 2, [p.cmdline() for p in engines]
+    return _pool_tree(kernel.km.provisioner.process.pid) + engines
+
+
+def _assert_job_and_spill_gone(slurm, job: str, spill_root) -> None:
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while (queued := slurm.run("squeue", "-h", "-j", job, check=False).strip()) \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not queued, f"the job is still in squeue: {queued}"
+    deadline = time.monotonic() + 10  # the reaper removes them once the ranks ended
+    while (left := [str(p) for p in spill_root.glob("pool-*")]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"spill folders left: {left}"
+
+
 def test_kernel_killed_during_training_on_a_slurm_pool_cancels_the_job(tmp_path, slurm):
     spill_root = tmp_path / "spill"
     kernel = KernelSession(env={"WORKBENCH_SPILL_DIR": str(spill_root), **slurm.env()})
     tree: list[psutil.Process] = []
     try:
-        kernel.run_ok("%load_ext workbench\n%colossal start -n 2 --launcher slurm "
-                      "--controller-ip 127.0.0.1 --timeout 10", timeout_s=180)
-        jobs = kernel.run_ok("from workbench.magics import active_pool\n"
-                             "print(*active_pool(get_ipython()).slurm_jobs())").text.split()
-        assert len(jobs) == 1, jobs
+        job = _start_slurm_pool(kernel)
         msg_id = kernel.submit(TRAINING_CELL)
         kernel.wait_for_output(msg_id, "stepping", timeout_s=120)
-        engines = _job_processes(jobs[0])
-        ranks = [p for p in engines if p.name() != "srun" and "workbench.engine" in p.cmdline()]
-        assert len(ranks) == 2, [p.cmdline() for p in engines]
-        tree = _pool_tree(kernel.km.provisioner.process.pid) + engines
+        tree = _slurm_tree(kernel, job)
         assert len([f for f in spill_root.glob("pool-*/rank*") if f.is_dir()]) == 2
 
         alive = _kill_and_wait(kernel, tree)
         assert not alive, f"still running {GONE_WITHIN_S} s after the kernel died: {alive}"
-        deadline = time.monotonic() + GONE_WITHIN_S
-        while (queued := slurm.run("squeue", "-h", "-j", jobs[0], check=False).strip()) \
-                and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not queued, f"the job is still in squeue: {queued}"
-        deadline = time.monotonic() + 10  # the reaper removes them once the ranks ended
-        while (left := [str(p) for p in spill_root.glob("pool-*")]) \
-                and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not left, f"spill folders left: {left}"
+        _assert_job_and_spill_gone(slurm, job, spill_root)
+    finally:
+        _cleanup(kernel, tree)
+
+
+def test_kernel_killed_while_serving_smollm2_on_a_slurm_pool_cancels_the_job(
+        tmp_path, slurm, smollm2):
+    from workbench.serving.cli import BUILD
+
+    spill_root = tmp_path / "spill"
+    kernel = KernelSession(env={"WORKBENCH_SPILL_DIR": str(spill_root), **slurm.env()})
+    tree: list[psutil.Process] = []
+    try:
+        job = _start_slurm_pool(kernel)
+        # the real model, one replica per rank, as ``workbench serve --model`` builds it
+        build = "%%colossal\n" + BUILD.format(folder=str(smollm2.folder), plan="dp=2",
+                                              kv_mem="128MiB", adapters={})
+        # ignore_eos: every answer runs its whole budget, so all 8 are in flight at the kill
+        body = {"model": "engine", "prompt": "The history of Paris", "max_tokens": 300,
+                "temperature": 0, "ignore_eos": True}
+        clients = _serve_streams(kernel, build, body)
+        tree = _slurm_tree(kernel, job)
+        assert len([f for f in spill_root.glob("pool-*/rank*") if f.is_dir()]) == 2
+
+        alive = _kill_and_wait(kernel, tree)
+        assert not alive, f"still running {GONE_WITHIN_S} s after the kernel died: {alive}"
+        _assert_job_and_spill_gone(slurm, job, spill_root)
+        for c in clients:
+            c.join(timeout=10)
     finally:
         _cleanup(kernel, tree)

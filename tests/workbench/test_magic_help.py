@@ -33,6 +33,19 @@ def test_completion_offers_subcommands_options_and_plan_keys(options):
                                                                           "--noblock"]
 
 
+def test_push_completes_notebook_variables_and_explains_itself(options):
+    from workbench.magics import _help, push_parser
+
+    push = option_strings(push_parser())
+    names = ["config", "count", "_hidden", "prompts"]
+    assert "push" in candidates("%colossal pu", "pu", *options)
+    assert candidates("%colossal push co", "co", *options, push, names) == ["config", "count"]
+    assert candidates("%colossal push config c", "c", *options, push, names) == ["count"]
+    assert candidates("%colossal push --t", "--t", *options, push, names) == ["--targets"]
+    text = _help(False, False, push=True)
+    assert text.startswith("usage: %colossal push") and "--targets" in text, text
+
+
 def test_the_help_of_each_form_lists_its_options():
     from workbench.magics import ColossalMagics, _help
 

@@ -40,6 +40,25 @@ def test_push_and_pull_round_trip(shell):
     assert shell.user_ns["answer"] == 110  # pulled from rank 0
 
 
+def test_push_line_sends_named_variables_to_every_rank(shell, capsys):
+    """``%colossal push a b`` is the cell's ``--push`` without a cell; an undefined name is
+    refused before anything is sent."""
+    shell.user_ns.update(scale=3, words=["a", "b"])
+    shell.run_line_magic("colossal", "push scale words")
+    assert "sent scale, words to ranks 0, 1" in capsys.readouterr().out
+    cell(shell, "--output all", "print('seen', rank, scale * len(words))")
+    out = capsys.readouterr().out
+    assert "[rank 0] seen 0 6" in out and "[rank 1] seen 1 6" in out, out
+    shell.user_ns["scale"] = 5
+    shell.run_line_magic("colossal", "push scale --targets 1")
+    cell(shell, "--targets 0 --pull scale", "pass")
+    assert shell.user_ns["scale"] == 3  # rank 0 kept the first value
+    with pytest.raises(UsageError, match="push: not defined in the notebook: nowhere"):
+        shell.run_line_magic("colossal", "push scale,nowhere")
+    with pytest.raises(UsageError, match="name the notebook variables"):
+        shell.run_line_magic("colossal", "push")
+
+
 def test_targets_run_only_on_chosen_ranks(shell, capsys):
     cell(shell, "--targets 1 --pull who", "who = rank")
     assert shell.user_ns["who"] == 1
