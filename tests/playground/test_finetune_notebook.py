@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.notebook_runner import run_notebook
+from helpers.notebooks import run_notebook  # also keeps the executed copy for the docs
 
 pytest.importorskip("peft")
 pytest.importorskip("openai")

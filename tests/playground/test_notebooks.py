@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.notebook_runner import run_notebook
-
+from helpers.notebooks import run_notebook  # also keeps the executed copy for the docs
 from helpers.reports import report_traces
 
 pytestmark = pytest.mark.engines
