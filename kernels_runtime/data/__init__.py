@@ -24,9 +24,12 @@ from kernels_runtime.data.loader import (
 )
 from kernels_runtime.data.packing import counted_tokens, pack, pad_rows
 from kernels_runtime.data.sft import chat_example, chat_examples, chat_segments
+from kernels_runtime.data.stdlib_qa import build_stdlib_qa, read_jsonl
 
 __all__ = [
     "ByteTokenizer",
+    "build_stdlib_qa",
+    "read_jsonl",
     "ShardSampler",
     "TokenBatches",
     "build_stdlib_corpus",

@@ -65,6 +65,27 @@ def test_committed_notebooks_have_no_outputs():
                 assert not c.outputs and c.execution_count is None, path.name
 
 
+def test_notebooks_import_only_from_public_faces():
+    """A notebook imports our names from a package (its ``__init__``, the public face), never
+    from a module inside one (``kernels_runtime.data.stdlib_qa``): what a notebook teaches is
+    what a user may rely on."""
+    import importlib.util
+    import re
+
+    import nbformat
+
+    ours = re.compile(r"^\s*(?:from|import)\s+((?:workbench|kernels_runtime)(?:\.\w+)*)", re.M)
+    inside = []
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        for cell in nb.cells:
+            for name in ours.findall(cell.source) if cell.cell_type == "code" else []:
+                spec = importlib.util.find_spec(name)
+                if spec is None or spec.submodule_search_locations is None:
+                    inside.append(f"{path.name}: {name}")
+    assert not inside, inside
+
+
 def test_checkpoint_and_resume_continues_the_losses_under_another_plan(tmp_path, monkeypatch):
     """03 asserts the resume itself (cells raise on a divergence); this checks that the
     crash, the reshard and the export really happened, not only that no cell raised."""

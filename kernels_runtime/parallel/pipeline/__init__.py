@@ -4,3 +4,8 @@ one: GPipe, 1F1B, interleaved and zero-bubble V (``schedules.py`` orders the wor
 ``executor.py`` runs it, ``p2p.py`` carries activations and gradients between neighbours,
 ``weight_grad.py`` defers zbv's weight gradients, ``simulate.py`` replays a schedule's timing
 for the planner)."""
+
+from kernels_runtime.parallel.pipeline.schedules import build as build_schedule
+from kernels_runtime.parallel.pipeline.simulate import bubble_formula, replay
+
+__all__ = ["bubble_formula", "build_schedule", "replay"]  # the torch-free schedule tools
