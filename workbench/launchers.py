@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -99,6 +100,7 @@ def resolve_launcher(name: str, controller_ip: str | None, hosts: Any = None,
             f"`%colossal start --launcher {name} --controller-ip 10.0.0.5`; consider "
             "IPP_ENABLE_CURVE=1 to encrypt controller traffic."
         )
+    _refuse_control_characters(options)
     host_map = parse_hosts(hosts)
     if name == "ssh" and not host_map:
         raise PoolError("launcher 'ssh' needs the hosts to start engines on and how many on "
@@ -109,6 +111,22 @@ def resolve_launcher(name: str, controller_ip: str | None, hosts: Any = None,
                         "itself (MPI: a hostfile in the options; Slurm: the job's nodes)")
     return LauncherSpec(name, controller_ip or LOOPBACK, host_map, tuple(options),
                         remote_python or sys.executable)
+
+
+def _refuse_control_characters(options: tuple[str, ...] | list[str]) -> None:
+    """A launcher option is one argument or one ``#SBATCH`` line: a newline or carriage return
+    in it would start a new line of the batch script (any shell command, run on the cluster
+    under the user's name) and a NUL would cut it short, so they are refused, naming the option.
+    """
+    for option in options:
+        if not isinstance(option, str):
+            raise PoolError(f"launcher option {option!r} is a {type(option).__name__}; give "
+                            "each option as a string, e.g. '--partition=debug'")
+        bad = sorted({repr(c)[1:-1] for c in option if c in "\n\r\0"})
+        if bad:
+            raise PoolError(f"launcher option {option!r} contains {' and '.join(bad)}: each "
+                            "option must be a single line; give several options as separate "
+                            "--launcher-option values (Pool(launcher_options=[...]))")
 
 
 def engine_command(python: str) -> list[str]:
@@ -181,18 +199,35 @@ srun {{program_and_args}}
 """
 
 
+# A pool's engines run until it stops, so an engine job without a limit holds its nodes
+# forever when the notebook is lost (a kernel SIGKILLed past the reaper, a lost login node);
+# clusters without a default time limit would keep it. One day, unless the user gives --time.
+SLURM_DEFAULT_TIME = "24:00:00"
+# --time=T, --time T, -t T, -tT (not --time-min, a different option)
+_SLURM_TIME = re.compile(r"^(--time(=|\s|$)|-t(=|\s|\d|$))")
+
+
+def slurm_batch_template(options: tuple[str, ...] | list[str]) -> str:
+    """ipyparallel's batch template for these sbatch options: one ``#SBATCH`` line each, plus
+    ``--time={SLURM_DEFAULT_TIME}`` unless an option sets the time limit (``--time=2:00:00``,
+    ``-t 120``). Braces are doubled, as ipyparallel formats the template once more."""
+    _refuse_control_characters(options)
+    bad = [o for o in options if not o.startswith("-")]
+    if bad:
+        raise PoolError(f"slurm options {bad}: give sbatch options such as "
+                        "--partition=debug or --ntasks-per-node=2")
+    if not any(_SLURM_TIME.match(o) for o in options):
+        options = [*options, f"--time={SLURM_DEFAULT_TIME}"]
+    lines = "\n".join(f"#SBATCH {o.replace('{', '{{').replace('}', '}}')}" for o in options)
+    return SLURM_TEMPLATE.format(options=lines)
+
+
 def _configure_slurm(cls: Any, spec: LauncherSpec) -> None:
     """One batch job of ``n`` tasks started by ``srun``; options become ``#SBATCH`` lines."""
     if shutil.which("sbatch") is None:
         raise PoolError("launcher 'slurm' needs Slurm's sbatch, squeue and scancel on PATH "
                         "(run the notebook on a Slurm login node)")
-    bad = [o for o in spec.options if not o.startswith("-")]
-    if bad:
-        raise PoolError(f"slurm options {bad}: give sbatch options such as "
-                        "--partition=debug or --ntasks-per-node=2")
-    lines = "\n".join(f"#SBATCH {o.replace('{', '{{').replace('}', '}}')}"
-                      for o in spec.options)
-    cls.batch_template = SLURM_TEMPLATE.format(options=lines)
+    cls.batch_template = slurm_batch_template(spec.options)
     # ipyparallel writes the script into the working directory (the notebook's folder);
     # a private temporary folder keeps it out of the user's files
     cls.batch_file_name = os.path.join(tempfile.mkdtemp(prefix="colossal-slurm-"),

@@ -12,6 +12,10 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass
 
+# pending reasons that mean the job asks for more time than its partition, QOS or account
+# allows: Slurm leaves such a job pending for ever instead of refusing it
+TIME_LIMIT_REASONS = ("PartitionTimeLimit", "QOSMaxWallDurationPerJobLimit",
+                      "AssocMaxWallDurationPerJobLimit", "AssocGrpWallLimit", "QOSGrpWallLimit")
 ENDED = ("CANCELLED", "COMPLETED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
          "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
@@ -34,6 +38,12 @@ class JobState:
         """'Slurm job 12 pending (Resources)', 'Slurm job 12 CANCELLED', ..."""
         if self.pending:
             why = f" ({self.reason})" if self.reason else ""
+            if self.reason in TIME_LIMIT_REASONS:
+                from workbench.launchers import SLURM_DEFAULT_TIME
+
+                why += (f": its time limit (--time={SLURM_DEFAULT_TIME} unless the options set "
+                        "one) exceeds what the cluster allows here; give a shorter one with "
+                        "--launcher-option=--time=HH:MM:SS")
             return f"Slurm job {self.job_id} pending{why}"
         return f"Slurm job {self.job_id} {self.state}"
 

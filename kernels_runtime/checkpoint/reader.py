@@ -10,12 +10,17 @@ damaged file.
 
 Version-1 checkpoints (flat row-major ranges, key ``master``) are read through the same
 ``fetch``: the ranges of a tensor are assembled whole once, then the box is cut from it.
+
+File names in ``meta.json`` are data, not paths to trust: a copied or hand-edited checkpoint
+could name ``../x`` or ``/etc/passwd``, and the reader would hash, open and parse that file. Only
+names the writer makes (``rank-NNNNN.safetensors``, directly in the step folder) are accepted.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +34,23 @@ from kernels_runtime.mesh.shards import Shard
 from kernels_runtime.optim import PARAM
 
 _V1_KEYS = {"master": PARAM}  # version-1 key -> current key
+# what ``fmt.rank_file_name`` writes (5 digits, more past rank 99999): a bare name, no folder
+_DATA_FILE = re.compile(r"rank-\d{5,}\.safetensors")
+
+
+def check_file_names(step_dir: Path, meta: dict[str, Any]) -> None:
+    """CheckpointError unless every data file ``meta.json`` lists is a name the writer makes."""
+    files = meta["files"]
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{step_dir / fmt.META}: 'files' should map file names to their "
+                              f"entries, got {type(files).__name__}: damaged or not a checkpoint")
+    bad = [name for name in files if not (isinstance(name, str) and _DATA_FILE.fullmatch(name))]
+    if bad:
+        raise CheckpointError(
+            f"{step_dir / fmt.META} lists data files {[str(b)[:80] for b in bad[:3]]} that the "
+            "checkpoint writer never makes (it writes rank-NNNNN.safetensors inside the step "
+            "folder): the metadata was altered or is not from kernels_runtime; refusing to read "
+            "files it names. Load another step, or restore this one from a trusted copy")
 
 
 @dataclass(frozen=True)
@@ -81,6 +103,7 @@ def _pieces_of(meta: dict[str, Any]) -> dict[str, list[Piece]]:
 
 class CheckpointReader(contextlib.AbstractContextManager):
     def __init__(self, step_dir: Path, meta: dict[str, Any]) -> None:
+        check_file_names(step_dir, meta)
         self.step_dir, self.meta = step_dir, meta
         self.legacy = meta["version"] < 2
         self.pieces = _pieces_of(meta)

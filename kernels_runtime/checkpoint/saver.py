@@ -16,13 +16,22 @@ ranks' indexes and renames the folder they wrote into.
 Until the rename nothing outside the temporary folder changes, and after it the step folder is
 complete, so a crash at any instant leaves the previous checkpoint and ``latest`` loadable.
 
+A save that fails without a crash (a rank's write raised, a rank voted no) removes its
+temporary folder before ``save`` raises on any rank: rank 0 deletes it once every rank has
+voted (so no rank still writes into it), and a last agreement makes the others wait for that.
+A half-written save is dead weight of a whole checkpoint's size, and the next successful save,
+which sweeps such folders, may be far off. Only when the vote itself fails (the group is broken)
+is the removal left to rank 0 alone, best effort.
+
 To test that, ``KERNELS_RUNTIME_CHECKPOINT_CRASH=<point>[@<rank>]`` makes a rank SIGKILL itself
 at ``write`` (data file written, nothing synced), ``commit`` (meta.json written, folder not
-renamed) or ``latest`` (folder renamed, ``latest`` not yet updated).
+renamed) or ``latest`` (folder renamed, ``latest`` not yet updated); ``<point>-error`` (e.g.
+``write-error@1``) raises a CheckpointError there instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -113,17 +122,38 @@ def _save(directory: str | os.PathLike, model: nn.Module, ctx: ParallelContext,
                     "torch": torch.__version__, **scalars, "extra": extra}
             _commit(tmp, final, _meta(tmp, model, meta), token)
 
-    agree(comm, device, attempt(create), f"creating {tmp}")
-    agree(comm, device, attempt(write), f"writing {tmp}")
-    agree(comm, device, attempt(commit), f"committing {final}")
+    for action, what in ((create, f"creating {tmp}"), (write, f"writing {tmp}"),
+                         (commit, f"committing {final}")):
+        error = attempt(action)
+        try:
+            agree(comm, device, error, what)
+        except Exception as failure:
+            # the vote took place when agree raised this rank's own error or the verdict
+            voted = failure is error or (error is None and isinstance(failure, CheckpointError))
+            _discard(tmp, rank, comm, device, voted)
+            raise
     return final
+
+
+def _discard(tmp: Path, rank: int, comm: Any, device: torch.device, voted: bool) -> None:
+    """Remove a failed save's temporary folder (rank 0), then, when the group still works, wait
+    for each other so no rank returns while the folder is still there."""
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if voted:
+        with contextlib.suppress(Exception):  # the save's own error is the one to report
+            agree(comm, device, None, f"removing {tmp}")
 
 
 def _crash_point(point: str, rank: int) -> None:
     spec = os.environ.get(CRASH_ENV, "")
     name, _, only = spec.partition("@")
-    if name == point and (not only or int(only) == rank):
+    if only and int(only) != rank:
+        return
+    if name == point:
         os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
+    if name == f"{point}-error":
+        raise CheckpointError(f"failure injected at {point!r} by {CRASH_ENV}={spec}")
 
 
 def _write_rank(tmp: Path, rank: int, pieces: list[StatePiece],
@@ -214,7 +244,11 @@ def _commit(tmp: Path, final: Path, meta: dict[str, Any], token: str) -> None:
     if final.exists():  # saving a step again: move the old one aside, never delete it first
         aside = directory / f"{fmt.TMP_PREFIX}old-{final.name}-{token}"
         os.rename(final, aside)
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # put the old one back: a failed save removes only its own folder
+            os.rename(aside, final)
+            raise
         fmt.fsync_dir(directory)
         shutil.rmtree(aside, ignore_errors=True)
     else:

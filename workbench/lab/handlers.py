@@ -10,7 +10,12 @@
 
 Every verb method carries ``@tornado.web.authenticated``;
 ``tests/playground/test_lab_server.py`` finds every route registered by this module in a real
-server and checks that none answers without a token. Errors are JSON ``{"message": ...}`` with a
+server and checks that none answers without a token. Login is not permission: a server may let
+users in who must not run code (a read-only Authorizer, a JupyterHub role), so every route that
+touches a kernel's pool is also ``@authorized`` on jupyter_server's ``kernels`` resource, the
+one its own kernel routes use: reading pools is ``read``, the actions, which run code in the
+kernel, are ``execute`` (403 when the server's Authorizer refuses;
+``tests/workbench/test_lab_authorization.py``). Errors are JSON ``{"message": ...}`` with a
 status: unknown pool or kernel 404, bad action or body 400, a pool that belongs to no kernel of
 this server 409, the kernel refusing the action (e.g. "already running") 409, anything else it
 raised 500.
@@ -24,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import tornado.web
+from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler, JupyterHandler
 from jupyter_server.utils import url_path_join
 
@@ -50,6 +56,8 @@ STATIC = {
 
 class _PoolsBase(APIHandler):
     """Shared lookups: pool files, this server's kernels and their notebooks."""
+
+    auth_resource = "kernels"  # what ``@authorized`` asks the server's Authorizer about
 
     async def _notebooks(self) -> dict[str, str]:
         sessions = await self.session_manager.list_sessions()
@@ -109,6 +117,7 @@ class _PoolsBase(APIHandler):
 
 class PoolsHandler(_PoolsBase):
     @tornado.web.authenticated
+    @authorized("read")
     async def get(self) -> None:
         notebooks = await self._notebooks()
         pools = [await self._describe(doc, notebooks) for doc in state.read_pools()]
@@ -117,12 +126,14 @@ class PoolsHandler(_PoolsBase):
 
 class PoolHandler(_PoolsBase):
     @tornado.web.authenticated
+    @authorized("read")
     async def get(self, pool_id: str) -> None:
         self.finish(json.dumps(await self._describe(self._pool(pool_id))))
 
 
 class PoolActionHandler(_PoolsBase):
     @tornado.web.authenticated
+    @authorized("execute")
     async def post(self, pool_id: str, action: str) -> None:
         if action not in actions.ACTIONS:
             raise tornado.web.HTTPError(
@@ -137,6 +148,7 @@ class PoolActionHandler(_PoolsBase):
 
 class KernelActionHandler(_PoolsBase):
     @tornado.web.authenticated
+    @authorized("execute")
     async def post(self, kernel_id: str, action: str) -> None:
         await self._act(kernel_id, action)
 
@@ -144,7 +156,10 @@ class KernelActionHandler(_PoolsBase):
 class DashboardHandler(JupyterHandler):
     """An HTML page (not JSON): unauthenticated GETs are redirected to the login page."""
 
+    auth_resource = "kernels"
+
     @tornado.web.authenticated
+    @authorized("read")
     def get(self, pool_id: str) -> None:
         if state.read_pool(pool_id) is None:
             raise tornado.web.HTTPError(404, f"unknown pool {pool_id!r}")
