@@ -20,6 +20,13 @@ backward keeps them); a gradient hook per parameter copies the gradient into the
 buffer, and the chunk's last one starts the reduction (``chunk_grads.py``). The optimizer step
 streams chunk by chunk (``chunk_step.py``), each wherever its master lives. Frozen parameters
 (a LoRA base) are chunks of their own holding a ``param`` payload alone (``frozen_chunks.py``).
+
+``ChunkGradSync`` owns the chunk layout, the payloads and the hooks, and gathers and releases
+chunks; its parts are objects it composes, each given what it reads by its constructor: the
+chunk table and the backward in progress (``chunk_table.py``), the gradient reducer
+(``self.reducer``), the stepper (``self.stepper``, which owns the deferred steps,
+``self.deferred``) and the frozen chunks' release (``self.frozen``). Its ``GradSync`` methods
+of the step delegate to the stepper.
 """
 
 from __future__ import annotations
@@ -30,8 +37,10 @@ from torch import nn
 from torch.autograd import Variable
 
 from kernels_runtime.memory.activation_reserve import ActivationReserve
-from kernels_runtime.memory.chunk_grads import ChunkGrads
-from kernels_runtime.memory.chunk_step import ChunkStep
+from kernels_runtime.memory.chunk_grads import ChunkReducer
+from kernels_runtime.memory.chunk_placement import place_static, predicted_trace, set_floors
+from kernels_runtime.memory.chunk_step import ChunkStepper
+from kernels_runtime.memory.chunk_table import BackwardPass, ChunkTable
 from kernels_runtime.memory.chunks import ChunkLayout, Unit, build_chunks, find_units
 from kernels_runtime.memory.frozen_chunks import (
     FrozenRelease,
@@ -39,15 +48,24 @@ from kernels_runtime.memory.frozen_chunks import (
     in_backward,
     tensors_in,
 )
-from kernels_runtime.memory.placement import Placer, Trace, static_homes
+from kernels_runtime.memory.placement import Placer
 from kernels_runtime.memory.tiers import Payload, Tier, TierStore
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.shards import ParamLayout
+from kernels_runtime.optim import GradShard, GradSync, StatePiece
 from kernels_runtime.parallel.data.zero import sharded_strategy
 from kernels_runtime.policies.deferred import materialize, move_real, to_be_loaded
 
 
-class ChunkGradSync(ChunkGrads, ChunkStep, FrozenRelease):
+class ChunkGradSync(GradSync):
+    # set by ``sharded_strategy`` (``parallel/data/zero.py``), as for every strategy over dp
+    ctx: ParallelContext
+    stage: int
+    dtype: torch.dtype
+    dp: int
+    dp_rank: int
+    layouts: dict[str, ParamLayout]
+
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
         layouts: dict[str, ParamLayout], *, blocks: list[nn.Module], zero_stage: int,
@@ -72,59 +90,34 @@ class ChunkGradSync(ChunkGrads, ChunkStep, FrozenRelease):
         for c in self.chunks:
             c.frozen = c.group == self._groups
         self.store = store
-        self.placer = Placer(store, predicted=self._predicted_trace(), **placer_args)
+        self.placer = Placer(store, predicted=predicted_trace(self.units, self.chunks),
+                             **placer_args)
         self.activations = ActivationReserve(self.placer, ctx.device)
-        self.param: list[Payload] = []
-        self.master: list[Payload] = []
-        self.grad: list[Payload | None] = [None] * len(self.chunks)
-        self.states: list[dict[str, Payload]] = [{} for _ in self.chunks]
-        self._chunk_of = {id(p): c.index for c in self.chunks for p in c.params}
-        self._param_index = {id(p): n for c in self.chunks for n, p in enumerate(c.params)}
+        self.table = ChunkTable(ctx, self.stage, self.dtype, self.layouts, self.units,
+                                self.chunks, store, self.placer)
+        self.param, self.master = self.table.param, self.table.master  # (the same lists)
+        self.grad, self.states = self.table.grad, self.table.states
         self._materialized: set[int] = set()
         for c in self.chunks:
             self._make_payloads(c)
         self._working: dict[int, Payload] = {}  # gathered buffers (zero 3, dp > 1)
-        self._active = [0] * len(self.chunks)  # units inside forward that need the chunk
-        self._held: set[int] = set()  # gathered for backward, waiting for gradients
-        self._grad_buf: dict[int, torch.Tensor] = {}
-        self._unwritten: dict[int, set[int]] = {}  # of a buffer: parameters with no gradient yet
-        self._ready = [0] * len(self.chunks)
-        self._reduced: set[int] = set()
-        self._pending: list = []
-        self._in_backward = False
-        self._fetched_for_backward: set[int] = set()
-        self._sumsq: list[torch.Tensor | None] = [None] * len(self.chunks)
-        self._grad_chunk = {f"c{c.index}.grad": c.index for c in self.chunks}
-        self.placer.before_spill = self._before_spill
-        self.overlap = {"during_backward": 0, "at_end": 0}
-        self.grad_homes: list[Tier] | None = None  # static placement only
         self._gathered: set[int] = set()
-        self._init_step()
-        self._init_frozen()
+        self._in_backward = False
+        self.backward = BackwardPass([0] * len(self.chunks))
+        self.reducer = ChunkReducer(self.table, self.backward,
+                                    before_reduce=self._before_reduce,
+                                    after_reduce=self._after_reduce)
+        self.overlap = self.reducer.overlap
+        self.placer.before_spill = self.reducer.before_spill
+        self.stepper = ChunkStepper(self.table, self.reducer, self.activations)
+        self.deferred = self.stepper.deferred
+        self.frozen = FrozenRelease(self.table, self.backward, self.release)
         self._install_hooks()
-        self._install_frozen_hooks()
-        size = self.dtype.itemsize
-        per_param = size + (4 if self.training else 0)
-        self.placer.floor[Tier.DEVICE] = max(
-            sum(self.chunks[i].padded * (size if self.chunks[i].frozen else per_param)
-                for i in u.chunks)
-            for u in self.units) if self.units else 0  # a unit's parameters and gradients
-        per_shard = 4 * 4 if self.training else size  # grad, master, 2 states
-        self.placer.floor[Tier.HOST] = max(  # a frozen chunk is evicted through the host
-            (self.param[c.index].nbytes if c.frozen else c.shard_size * per_shard
-             for c in self.chunks), default=0)
+        self.frozen.install_hooks()
+        set_floors(self.table, self.training)
         self.placer.check_budgets()
 
     # ---- construction --------------------------------------------------------------------
-    def _predicted_trace(self) -> Trace:
-        keys = [f"c{i}.param" for u in self.units for i in u.chunks]
-        for u in reversed(self.units):
-            keys += [f"c{i}.{k}" for i in u.chunks for k in ("param", "grad")]
-        for c in self.chunks:
-            if not c.frozen:
-                keys += [f"c{c.index}.{k}" for k in ("grad", "master", "state", "param")]
-        return Trace(keys)
-
     def _make_payloads(self, c: ChunkLayout) -> None:
         if c.unit not in self._materialized and any(p.is_meta for p in c.params):
             self._materialize(c.unit)
@@ -182,36 +175,8 @@ class ChunkGradSync(ChunkGrads, ChunkStep, FrozenRelease):
                 for g in range(self._groups)]
 
     def place_homes(self, fractions: dict[str, float], host_budget: int | None) -> None:
-        """Static placement (``placement.static_homes``): parameters, then frozen weights (the
-        ``params`` share of their own bytes), then gradients, then masters and optimizer states
-        take the host budget in that order. Under zero 3 in fp32 the master is the parameter
-        shard: the larger of the two fractions applies."""
-        host_left = [float("inf") if host_budget is None else float(host_budget)]
-        trained = [c.index for c in self.chunks if not c.frozen]
-        frozen = [c.index for c in self.chunks if c.frozen]
-        aliased = bool(trained) and self.param[trained[0]] is self.master[trained[0]]
-        share = fractions.get("params", 0.0)
-        if aliased:
-            share = max(share, fractions.get("optim", 0.0))
-        homes = static_homes([self.param[i].nbytes for i in trained], share, host_left)
-        homes += static_homes([self.param[i].nbytes for i in frozen],
-                              fractions.get("params", 0.0), host_left)
-        grad_homes = static_homes([self.chunks[i].shard_size * 4 for i in trained],
-                                  fractions.get("grads", 0.0), host_left)
-        self.grad_homes = [Tier.DEVICE] * len(self.chunks)  # frozen chunks have none
-        for i, home in zip(trained, grad_homes):
-            self.grad_homes[i] = home
-        payloads = [self.param[i] for i in [*trained, *frozen]]
-        if not aliased:
-            homes += static_homes([self.master[i].nbytes for i in trained],
-                                  fractions.get("optim", 0.0), host_left)
-            payloads += [self.master[i] for i in trained]
-        self.host_left = host_left  # what the optimizer's states may still take (first step)
-        for payload, home in zip(payloads, homes):
-            self.placer.home[payload.key] = home
-            if payload.tier != home:
-                self.placer.place(payload, home)
-        self.store.reset_step_counters()
+        """Static placement (``chunk_placement.place_static``)."""
+        place_static(self.table, fractions, host_budget)
 
     # ---- hooks ---------------------------------------------------------------------------
     def _install_hooks(self) -> None:
@@ -224,13 +189,12 @@ class ChunkGradSync(ChunkGrads, ChunkStep, FrozenRelease):
                 lambda m, args, out, u=u: self._after_forward(u, out))
         for c in self.chunks:
             for p in [] if c.frozen else c.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(self.reducer.on_grad_ready)
 
     def _before_forward(self, u: int) -> None:
-        if self._pinned:
-            self.unpin()
+        self.stepper.unpin()  # what ``pieces`` held for a checkpoint
         for i in self.units[u].chunks:
-            self._active[i] += 1
+            self.backward.active[i] += 1
             self.gather(i)
         self._prefetch_unit(u + 1)
 
@@ -241,7 +205,8 @@ class ChunkGradSync(ChunkGrads, ChunkStep, FrozenRelease):
         if 0 <= u < len(self.units):
             for i in self.units[u].chunks:
                 param = self.param[i]
-                if self.is_deferred(i) or i in self._reduced or i in self._gathered:
+                if self.deferred.is_deferred(i) or i in self.backward.reduced \
+                        or i in self._gathered:
                     continue  # published anew before its use, done with, or here already
                 if param.tier == Tier.DISK:
                     self.placer.prefetch(param)
@@ -250,7 +215,7 @@ class ChunkGradSync(ChunkGrads, ChunkStep, FrozenRelease):
 
     def _after_forward(self, u: int, output) -> None:
         for i in self.units[u].chunks:
-            self._active[i] -= 1
+            self.backward.active[i] -= 1
         if in_backward():  # a checkpointed block recomputing: its backward comes next
             return
         if torch.is_grad_enabled():
@@ -263,35 +228,56 @@ class ChunkGradSync(ChunkGrads, ChunkStep, FrozenRelease):
                     t.register_hook(lambda g, u=u: self._before_backward(u))
             self.activations.note_outputs(sum(t.numel() * t.element_size() for t in outputs))
         for i in self.units[u].chunks:
-            if not self._active[i] and i not in self._held:
+            if not self.backward.active[i] and i not in self.backward.held:
                 self.release(i)
 
     def _before_backward(self, u: int) -> None:
         if not self._in_backward:
             self._in_backward = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
-        if u in self._fetched_for_backward:
+        b = self.backward
+        if u in b.fetched:
             return
-        self._fetched_for_backward.add(u)
+        b.fetched.add(u)
         for i in self.units[u].chunks:
-            if i not in self._reduced:
+            if i not in b.reduced:
                 self.gather(i)
-                self._held.add(i)
-        self._hold_frozen(u)
+                b.held.add(i)
+        self.frozen.hold(u)
         self._prefetch_unit(u - 1)  # backward runs the units in reverse
+
+    def _end_of_backward(self) -> None:
+        self.reducer.end_of_backward()  # the chunks it did not reach too, and waits
+        for i in list(self.backward.held):
+            self.backward.held.discard(i)
+            self.release(i)
+        self.frozen.end_backward()
+        self._in_backward = False
+        self.backward.end()
+
+    def _before_reduce(self, i: int) -> None:
+        self.deferred.step_deferred(i)
+
+    def _after_reduce(self, i: int) -> None:
+        """Chunk ``i``'s gradients are all in: it is released unless a forward uses it, and
+        its units' frozen weights may be done with."""
+        self.backward.held.discard(i)
+        if not self.backward.active[i]:
+            self.release(i)
+        self.frozen.after_reduce(i)
 
     # ---- gather and release --------------------------------------------------------------
     def gather(self, i: int) -> None:
         """Chunk ``i`` computing: its parameters views of a whole chunk on the device."""
         if i in self._gathered:
             return
-        self.step_deferred(i, gathering=True)  # its last step, if still pending, first
+        self.deferred.step_deferred(i, gathering=True)  # its last step, if pending, first
         self._gathered.add(i)
         c, param = self.chunks[i], self.param[i]
         self.placer.touch(param.key)
         self.placer.in_use.add(param.key)
         self.placer.bring(param, Tier.DEVICE, reads_only=True)
-        if self._is_whole(i):
+        if self.table.is_whole(i):
             c.point_params_at(param.handle)
             return
         self.placer.make_room(Tier.DEVICE, c.padded * param.handle.element_size())
@@ -302,10 +288,6 @@ class ChunkGradSync(ChunkGrads, ChunkStep, FrozenRelease):
         self.placer.in_use.discard(param.key)
         self.placer.settle(param)
         c.point_params_at(work.handle)
-
-    def _is_whole(self, i: int) -> bool:
-        """The ``param`` payload is the whole chunk (zero 2, or a single dp rank)."""
-        return self.stage == 2 or self.dp == 1
 
     def release(self, i: int) -> None:
         """Chunk ``i`` released: parameters empty, the gathered buffer freed, a whole
@@ -322,3 +304,64 @@ class ChunkGradSync(ChunkGrads, ChunkStep, FrozenRelease):
         self.placer.settle(param)
 
 
+
+    # ---- GradSync: the step and its state, delegated to the stepper (``chunk_step.py``) ----
+    @property
+    def last_step(self) -> dict:
+        return self.stepper.last_step
+
+    @property
+    def optimizer_seconds(self) -> float:
+        return self.stepper.optimizer_seconds
+
+    @property
+    def deferred_steps(self) -> int:
+        return self.deferred.deferred_steps
+
+    @property
+    def pending_steps(self) -> list[int]:
+        """Chunks whose step of the last ``optimizer_step`` is still to run (deferred)."""
+        return list(self.deferred.pending)
+
+    def micro_batch(self):  # noqa: ANN201 - a context manager
+        return self.stepper.micro_batch()
+
+    def prepare_backward(self, sync: bool) -> None:
+        """Every backward reduce-scatters (as ZeRO-2 does): micro-batches accumulate in the
+        ``grad`` shard, so no full gradient outlives its chunk's backward."""
+
+    def finish(self) -> None:
+        self.reducer.drain()
+
+    def complete_step(self) -> None:
+        self.deferred.complete_step()
+
+    def master_grads(self) -> list[GradShard]:
+        return self.stepper.master_grads()
+
+    def scale_grads(self, shards: list[GradShard], factor: torch.Tensor | float) -> None:
+        self.stepper.scale_grads(shards, factor)
+
+    def zero_grads(self) -> None:
+        self.stepper.zero_grads()
+
+    def optimizer_step(self, inner: torch.optim.Optimizer) -> None:
+        self.stepper.optimizer_step(inner)
+
+    def publish(self) -> None:
+        self.stepper.publish()
+
+    def materialize_state(self, inner: torch.optim.Optimizer) -> None:
+        self.stepper.materialize_state(inner)
+
+    def pieces(self, saving: bool, optimizer: torch.optim.Optimizer | None) -> list[StatePiece]:
+        return self.stepper.pieces(saving, optimizer)
+
+    def after_load(self) -> None:
+        self.stepper.after_load()
+
+    def memory_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        return self.stepper.memory_breakdown(optimizer)
+
+    def tier_bytes(self) -> dict[str, int]:
+        return self.stepper.tier_bytes()

@@ -22,52 +22,70 @@ on the order of use, and everything else gains nothing from waiting.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
-from kernels_runtime.memory.tiers import Tier
+from kernels_runtime.memory.chunk_table import ChunkTable
+from kernels_runtime.memory.tiers import Payload, Tier
 
 WINDOW = 2  # chunks whose step inputs are being read ahead of the one stepped
 
 
-class DeferredSteps:
-    """The deferred half of ``ChunkStep`` (which sets the attributes used here)."""
+StepChunk = Callable[[torch.optim.Optimizer, int, torch.Tensor | float | None, bool], None]
 
-    def _init_deferred(self) -> None:
+
+class DeferredSteps:
+    """The pending chunk steps of the ``ChunkStepper`` that owns this (``chunk_step.py``):
+    ``step_chunk(inner, i, scale, keep_params)`` steps chunk ``i``, ``step_payloads(i)`` are
+    what that step reads (read ahead here)."""
+
+    def __init__(self, table: ChunkTable, *, step_chunk: StepChunk,
+                 step_payloads: Callable[[int], list[Payload]]) -> None:
+        self.table = table
+        self._step_chunk, self._step_payloads = step_chunk, step_payloads
         self._deferred: list[int] = []  # chunks whose step is pending, in chunk order
         self._deferred_inner: torch.optim.Optimizer | None = None
         self._deferred_groups: list[dict] = []  # hyperparameters at the step() call
         self._deferred_scale: torch.Tensor | float | None = None
         self.deferred_steps = 0  # chunk steps run deferred (cumulative)
 
-    def _defers(self, i: int) -> bool:
-        if self.placer.mode != "static":
+    def defers(self, i: int) -> bool:
+        """Chunk ``i``'s step waits for its next use (module docstring: static placement,
+        and the step reads or writes the disk)."""
+        t = self.table
+        if t.placer.mode != "static":
             return False
-        homes = [self.placer.home[self.master[i].key]]
-        homes += [self.placer.home[p.key] for p in self.states[i].values()]
-        if self.grad_homes:
-            homes.append(self.grad_homes[i])
+        homes = [t.placer.home[t.master[i].key]]
+        homes += [t.placer.home[p.key] for p in t.states[i].values()]
+        if t.grad_homes:
+            homes.append(t.grad_homes[i])
         return Tier.DISK in homes
+
+    @property
+    def pending(self) -> tuple[int, ...]:
+        """The chunks whose step is pending, in chunk order."""
+        return tuple(self._deferred)
 
     def is_deferred(self, i: int) -> bool:
         return i in self._deferred
 
-    def _defer(self, inner: torch.optim.Optimizer, chunks: list[int]) -> None:
+    def defer(self, inner: torch.optim.Optimizer, chunks: list[int],
+              scale: torch.Tensor | float | None) -> None:
         """Record the step of ``chunks`` as pending (nothing is read yet: between steps the
-        host holds no more than its budget)."""
+        host holds no more than its budget), with the gradient scale of this step."""
         self._deferred = list(chunks)
         self._deferred_inner = inner
         self._deferred_groups = [{k: v for k, v in g.items() if k != "params"}
                                  for g in inner.param_groups]
-        scale = self._scale
         if isinstance(scale, torch.Tensor):  # read once now, not once per chunk in a forward
             scale = scale.to("cpu")
         self._deferred_scale = scale
 
-    def _prefetch_step(self, i: int) -> None:
+    def prefetch_step(self, i: int) -> None:
+        """Start reading what chunk ``i``'s step reads."""
         for p in self._step_payloads(i):
-            self.placer.prefetch(p)
+            self.table.placer.prefetch(p)
 
     def step_deferred(self, upto: int | None = None, gathering: bool = False) -> None:
         """Run the pending chunk steps in order until chunk ``upto``'s is done (all of them
@@ -77,17 +95,13 @@ class DeferredSteps:
             return
         inner = self._deferred_inner
         for i in self._deferred[:WINDOW]:
-            self._prefetch_step(i)
+            self.prefetch_step(i)
         with self._hyperparameters(inner):
             while self._deferred:
                 i = self._deferred.pop(0)
                 if len(self._deferred) >= WINDOW:
-                    self._prefetch_step(self._deferred[WINDOW - 1])
-                scale, self._scale = self._scale, self._deferred_scale
-                try:
-                    self._step_chunk(inner, i, keep_params=gathering and i == upto)
-                finally:
-                    self._scale = scale
+                    self.prefetch_step(self._deferred[WINDOW - 1])
+                self._step_chunk(inner, i, self._deferred_scale, gathering and i == upto)
                 self.deferred_steps += 1
                 if i == upto:
                     break

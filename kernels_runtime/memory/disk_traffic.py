@@ -1,6 +1,8 @@
 """Traffic between memory and the disk tier: write-behind, read-ahead, and files kept as copies.
 
-The disk half of ``TierStore`` (``tiers.py``, which sets the attributes used here). Writes are
+The disk half of ``TierStore`` (``tiers.py``), an object it owns: what it reads of the store
+(host buffers, the tiers' accounts, the pool freed memory goes to) comes through its constructor
+as the store's functions, and everything else it reads is its own. Writes are
 write-behind: the memory is released when the write completes, at most ``write_behind_bytes``
 in flight (a fetch before completion reuses it). Reads can start early (``prefetch``) and are
 waited for at the fetch. Both run on the disk store's threads (``disk.py``).
@@ -20,26 +22,51 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
-    from kernels_runtime.memory.tiers import Payload
+    from kernels_runtime.memory.tiers import Payload, Tier
 
 WRITE_BEHIND_BYTES = 64 * 2**20  # the most spilled bytes still held in memory while written
 
 
 class DiskTraffic:
-    """Write-behind, read-ahead and the files of payloads (module docstring)."""
+    """Write-behind, read-ahead and the files of payloads (module docstring).
 
-    def _init_disk_traffic(self) -> None:
+    ``disk``: makes the disk store (``disk.py``) at its first use, or None (no disk tier);
+    ``host_empty(numel, dtype)``: an uninitialised (aligned) host buffer; ``charge`` and
+    ``uncharge(tier, nbytes)``: the store's accounts; ``release(payload, data)``: memory that
+    held a payload's values, for reuse; ``waiting``: the context the caller's waits run in."""
+
+    def __init__(
+        self, disk: Callable[[], object] | None, *,
+        host_empty: Callable[[int, torch.dtype], torch.Tensor],
+        charge: Callable[[Tier, int], None], uncharge: Callable[[Tier, int], None],
+        release: Callable[[Payload, torch.Tensor], None],
+        waiting: Callable[[], contextlib.AbstractContextManager],
+    ) -> None:
+        self._disk_factory = disk
+        self._disk = None
+        self._host_empty, self._charge, self._uncharge = host_empty, charge, uncharge
+        self._release, self._waiting = release, waiting
+        self.wait_seconds = 0.0  # waited for disk reads and writes since the store's reset
         self._reads: dict[str, tuple[Future, torch.Tensor]] = {}
         self._writes: dict[str, tuple[Future, torch.Tensor, Payload]] = {}
         self._files: dict[str, int] = {}  # key -> bytes of its file in the spill folder
         self.write_behind_bytes = WRITE_BEHIND_BYTES
         self.writes_skipped = 0  # evictions to disk whose file already held the values
+
+    @property
+    def disk(self):  # noqa: ANN201 - a DiskStore (disk.py)
+        if self._disk is None:
+            if self._disk_factory is None:
+                raise RuntimeError("no disk tier was configured for this placement")
+            self._disk = self._disk_factory()
+        return self._disk
 
     @property
     def file_bytes(self) -> int:
@@ -51,7 +78,7 @@ class DiskTraffic:
         """The caller is about to change ``payload``'s values: its file is no copy any more."""
         payload.copy_on_disk = False
 
-    def _write_behind(self, payload: Payload, data: torch.Tensor) -> int:
+    def write_behind(self, payload: Payload, data: torch.Tensor) -> int:
         """Start writing ``data`` (host memory) as ``payload``'s file unless the file already
         holds these values; the bytes written."""
         if payload.copy_on_disk:
@@ -70,11 +97,11 @@ class DiskTraffic:
             return
         if payload.key in self._writes:  # still in memory: the fetch will reuse it
             return
-        buffer = self._empty(payload.numel, payload.dtype, Tier.HOST)
+        buffer = self._host_empty(payload.numel, payload.dtype)
         self._reads[payload.key] = (self.disk.read(payload.key, buffer), buffer)
-        self._add(Tier.HOST, payload.nbytes)  # the read buffer is host memory from now on
+        self._charge(Tier.HOST, payload.nbytes)  # the read buffer is host memory from now on
 
-    def _read_back(self, payload: Payload, fill: bool = True) -> tuple[torch.Tensor | None, int]:
+    def read_back(self, payload: Payload, fill: bool = True) -> tuple[torch.Tensor | None, int]:
         """The host memory holding a disk payload's values and the bytes read from disk for
         it; ``fill=False`` (the caller overwrites every value): no read, and None unless memory
         is at hand already (a write-behind's, or a read-ahead's once it completed)."""
@@ -89,10 +116,10 @@ class DiskTraffic:
         self.prefetch(payload)
         future, buffer = self._reads.pop(payload.key)
         self._wait(future)  # (without fill: the buffer is being written; let it finish)
-        self._sub(Tier.HOST, payload.nbytes)  # re-charged by the move to its new tier
+        self._uncharge(Tier.HOST, payload.nbytes)  # re-charged by the move to its new tier
         return buffer, payload.nbytes
 
-    def _drop_read(self, payload: Payload) -> None:
+    def drop_read(self, payload: Payload) -> None:
         """A freed payload's read-ahead is not needed."""
         read = self._reads.pop(payload.key, None)
         if read is not None:
@@ -113,7 +140,7 @@ class DiskTraffic:
             with contextlib.suppress(OSError):
                 future.result()
         nbytes = buffer.numel() * buffer.element_size()
-        self._sub(Tier.HOST, nbytes)
+        self._uncharge(Tier.HOST, nbytes)
         return nbytes
 
     def _wait(self, future: Future) -> None:
@@ -158,8 +185,8 @@ class DiskTraffic:
         if payload.tier == Tier.DISK:
             payload.handle.data = host
             payload.tier = Tier.HOST
-            self._sub(Tier.DISK, payload.nbytes)
-            self._add(Tier.HOST, payload.nbytes)
+            self._uncharge(Tier.DISK, payload.nbytes)
+            self._charge(Tier.HOST, payload.nbytes)
 
     def reap(self) -> None:
         """Release the memory of completed write-behinds, and wait for the oldest while more
@@ -170,7 +197,7 @@ class DiskTraffic:
             if future.done() or pending > self.write_behind_bytes:
                 self._collect(self._writes.pop(key), reuse=True)
 
-    def _settle_write(self, payload: Payload) -> None:
+    def settle_write(self, payload: Payload) -> None:
         written = self._writes.pop(payload.key, None)
         if written is not None:
             self._collect(written)

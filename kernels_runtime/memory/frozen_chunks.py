@@ -20,8 +20,12 @@ at the end of backward (an input whose gradient never came) is released there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+
+from kernels_runtime.memory.chunk_table import BackwardPass, ChunkTable
 
 Named = list[tuple[str, nn.Parameter]]
 
@@ -52,20 +56,25 @@ def tensors_in(value: object) -> list[torch.Tensor]:
 
 
 class FrozenRelease:
-    """The frozen half of ``ChunkGradSync`` (which sets ``units``, ``chunks``, ``_reduced``,
-    ``_active``, ``_held``, ``_fetched_for_backward`` and ``release``)."""
+    """When the frozen chunks of ``ChunkGradSync`` go (module docstring): given the chunk
+    table, the backward in progress (``chunk_table.py``) and ``release(i)``, which releases
+    chunk ``i``'s gathered parameters."""
 
-    def _init_frozen(self) -> None:
-        self._unit_frozen = [[i for i in u.chunks if self.chunks[i].frozen] for u in self.units]
-        self._unit_trainable = [[i for i in u.chunks if not self.chunks[i].frozen]
-                                for u in self.units]
-        self._users = {c.index: [u for u, unit in enumerate(self.units) if c.index in unit.chunks]
-                       for c in self.chunks}
-        self._inputs_waiting = [0] * len(self.units)  # input gradients still to come
+    def __init__(self, table: ChunkTable, backward: BackwardPass,
+                 release: Callable[[int], None]) -> None:
+        self.backward, self._release = backward, release
+        units, chunks = table.units, table.chunks
+        self._units = units
+        self._unit_frozen = [[i for i in u.chunks if chunks[i].frozen] for u in units]
+        self._unit_trainable = [[i for i in u.chunks if not chunks[i].frozen] for u in units]
+        self._users = {c.index: [u for u, unit in enumerate(units) if c.index in unit.chunks]
+                       for c in chunks}
+        self._inputs_waiting = [0] * len(units)  # input gradients still to come
         self._frozen_holders: dict[int, set[int]] = {}  # chunk -> units whose backward needs it
 
-    def _install_frozen_hooks(self) -> None:
-        for u, unit in enumerate(self.units):
+    def install_hooks(self) -> None:
+        """A forward pre-hook on every unit with frozen chunks (``_watch_inputs``)."""
+        for u, unit in enumerate(self._units):
             if self._unit_frozen[u]:
                 unit.module.register_forward_pre_hook(
                     lambda m, args, kwargs, u=u: self._watch_inputs(u, args, kwargs),
@@ -85,31 +94,33 @@ class FrozenRelease:
         self._inputs_waiting[u] = max(0, self._inputs_waiting[u] - 1)
         self._release_frozen_of(u)
 
-    def _hold_frozen(self, u: int) -> None:
+    def hold(self, u: int) -> None:
         """Unit ``u``'s backward starts: its frozen chunks (just gathered) stay for it."""
         for i in self._unit_frozen[u]:
             self._frozen_holders.setdefault(i, set()).add(u)
 
-    def _frozen_after_reduce(self, i: int) -> None:
+    def after_reduce(self, i: int) -> None:
         """Trainable chunk ``i`` is reduced: a unit using it may be done with its weights."""
         for u in self._users.get(i, ()):
             self._release_frozen_of(u)
 
     def _release_frozen_of(self, u: int) -> None:
-        if u not in self._fetched_for_backward or self._inputs_waiting[u] > 0:
+        b = self.backward
+        if u not in b.fetched or self._inputs_waiting[u] > 0:
             return
-        if any(i not in self._reduced for i in self._unit_trainable[u]):
+        if any(i not in b.reduced for i in self._unit_trainable[u]):
             return
         for i in self._unit_frozen[u]:
             holders = self._frozen_holders.get(i)
             if not holders or u not in holders:
                 continue
             holders.discard(u)
-            if not holders and not self._active[i]:
+            if not holders and not b.active[i]:
                 del self._frozen_holders[i]
-                self._held.discard(i)
-                self.release(i)
+                b.held.discard(i)
+                self._release(i)
 
-    def _end_frozen_backward(self) -> None:
+    def end_backward(self) -> None:
+        """The backward is over (``ChunkGradSync`` releases what is still held)."""
         self._frozen_holders.clear()
-        self._inputs_waiting = [0] * len(self.units)
+        self._inputs_waiting = [0] * len(self._units)

@@ -11,7 +11,8 @@ tier now and at peak (on a CPU-only machine device and host are the same RAM, so
 tier is exactly this account, enforced by the placement as a GPU's capacity would be), bytes
 moved between tiers (what was really copied or read and written: an eviction to disk whose
 file still holds the values moves nothing), evictions, and time the caller waited on movement.
-The disk half (write-behind, read-ahead, files kept as copies) is ``disk_traffic.py``. Host
+The disk half (write-behind, read-ahead, files kept as copies) is a ``DiskTraffic`` the store
+owns (``disk_traffic.py``), given the store's allocation and accounts by its constructor. Host
 buffers (and, on a host-only machine, device ones) are allocated aligned for direct I/O
 (``disk_io.aligned_empty``), so the disk reads and writes them in place.
 """
@@ -60,24 +61,23 @@ class Payload:
         return self.numel * self.dtype.itemsize
 
 
-class TierStore(DiskTraffic):
+class TierStore:
     """Allocation, movement and accounting of payloads (see the module docstring)."""
 
     def __init__(self, accelerator: Accelerator, disk: Callable[[], object] | None = None,
                  waiting: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
         self.accelerator = accelerator
-        self._waiting = waiting or contextlib.nullcontext  # the step split's "waiting" time
         self.device = accelerator.device
-        self._disk_factory = disk
-        self._disk = None
         self.used: Counter[Tier] = Counter()
         self.peak: Counter[Tier] = Counter()
         self.working: Counter[Tier] = Counter()  # of ``used``: transient buffers, not state
         self.state_peak: Counter[Tier] = Counter()  # peak of model state alone
         self.moved: Counter[tuple[str, str]] = Counter()  # bytes (from, to) since reset
         self.evictions = 0
-        self.wait_seconds = 0.0
-        self._init_disk_traffic()
+        self.traffic = DiskTraffic(  # (``waiting``: the step split's "waiting" time)
+            disk, host_empty=lambda numel, dtype: self._empty(numel, dtype, Tier.HOST),
+            charge=self._add, uncharge=self._sub, release=self._release,
+            waiting=waiting or contextlib.nullcontext)
         self._uploads: dict[str, tuple[torch.Tensor, object]] = {}  # host -> device prefetch
         self.uploads = 0  # prefetches to the device started (a GPU's side stream)
         self.activations = 0  # device bytes that are not model state (the placement's reserve)
@@ -117,19 +117,55 @@ class TierStore(DiskTraffic):
     def reset_step_counters(self) -> None:
         self.moved.clear()
         self.evictions = 0
-        self.wait_seconds = 0.0
+        self.traffic.wait_seconds = 0.0
         self.total_peak = self.used[Tier.DEVICE] + self.activations
         for tier in Tier:
             self.peak[tier] = self.used[tier]
             self.state_peak[tier] = self.used[tier] - self.working[tier]
 
+    # ---- the disk half, ``self.traffic`` (``disk_traffic.py``) ----------------------------
     @property
-    def disk(self):
-        if self._disk is None:
-            if self._disk_factory is None:
-                raise RuntimeError("no disk tier was configured for this placement")
-            self._disk = self._disk_factory()
-        return self._disk
+    def disk(self):  # noqa: ANN201 - a DiskStore (disk.py)
+        return self.traffic.disk
+
+    @property
+    def wait_seconds(self) -> float:
+        """Time the caller waited on disk reads and writes since ``reset_step_counters``."""
+        return self.traffic.wait_seconds
+
+    @property
+    def file_bytes(self) -> int:
+        return self.traffic.file_bytes
+
+    @property
+    def writes_skipped(self) -> int:
+        return self.traffic.writes_skipped
+
+    @property
+    def write_behind_bytes(self) -> int:
+        return self.traffic.write_behind_bytes
+
+    @write_behind_bytes.setter
+    def write_behind_bytes(self, nbytes: int) -> None:
+        self.traffic.write_behind_bytes = nbytes
+
+    def modified(self, payload: Payload) -> None:
+        self.traffic.modified(payload)
+
+    def prefetch(self, payload: Payload) -> None:
+        self.traffic.prefetch(payload)
+
+    def drop_reads(self) -> int:
+        return self.traffic.drop_reads()
+
+    def reap(self) -> None:
+        self.traffic.reap()
+
+    def settle(self) -> None:
+        self.traffic.settle()
+
+    def close(self) -> None:
+        self.traffic.close()
 
     # ---- allocation ----------------------------------------------------------------------
     def _empty(self, numel: int, dtype: torch.dtype, tier: Tier) -> torch.Tensor:
@@ -199,8 +235,8 @@ class TierStore(DiskTraffic):
         """Drop the payload's values everywhere (a gradient after its step). ``recycle``: its
         device memory may serve the next buffer of its size (only for a tensor nothing else
         refers to: a gathered chunk's may still be saved by autograd for backward)."""
-        self._settle_write(payload)
-        self._drop_read(payload)
+        self.traffic.settle_write(payload)
+        self.traffic.drop_read(payload)
         if self._uploads.pop(payload.key, None) is not None:
             self._sub(Tier.DEVICE, payload.nbytes)
         payload.copy_on_disk = False  # its file stays, for the next payload of its key
@@ -227,7 +263,7 @@ class TierStore(DiskTraffic):
             upload = None
         moved = payload.nbytes
         if source == Tier.DISK:
-            data, moved = self._read_back(payload, fill)
+            data, moved = self.traffic.read_back(payload, fill)
             if not fill:
                 payload.copy_on_disk = False
         else:
@@ -241,7 +277,7 @@ class TierStore(DiskTraffic):
         elif tier == Tier.DISK:
             host = data if data.device.type == "cpu" or payload.copy_on_disk \
                 else self._to_host(data)
-            moved = self._write_behind(payload, host)
+            moved = self.traffic.write_behind(payload, host)
             payload.handle.data = torch.empty(0, dtype=payload.dtype)
             if not moved:  # its file holds the values: the memory is free now
                 self._release(payload, data)
@@ -261,7 +297,7 @@ class TierStore(DiskTraffic):
         self._sub(source, payload.nbytes)
         payload.tier = tier
         if tier == Tier.DISK:
-            self.reap()  # the payload is on the disk tier: a failed write restores it
+            self.traffic.reap()  # the payload is on the disk tier: a failed write restores it
 
     def _to_host(self, data: torch.Tensor) -> torch.Tensor:
         host = self._empty(data.numel(), data.dtype, Tier.HOST)

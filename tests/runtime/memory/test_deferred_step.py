@@ -27,7 +27,7 @@ def _train(plan: str) -> dict:
     for step in range(STEPS):
         mbs = dm.local_microbatches(step, ctx.dp_rank, ctx.dp_size, 2)
         losses.append(train_step(model, opt, mbs, loss_fn=dm.hf_loss).loss)
-        pending.append(len(getattr(opt.sync, "_deferred", [])))
+        pending.append(len(getattr(opt.sync, "pending_steps", [])))
         if step == 2:  # the step counters as a checkpoint would save them, right after step()
             steps.append(opt.scalar_state()["groups"])
         for group in opt.param_groups:  # a schedule stepping between step() and the forward

@@ -38,7 +38,7 @@ def _stream_on_rank(rank: int, world: int, spill_dir: str) -> dict:
     block_units = {u for u, unit in enumerate(sync.units) if ".layers." in unit.path}
     frozen_blocks = {c.index: c.unit for c in sync.chunks if c.frozen and c.unit in block_units}
     most, reduced = [0], []
-    gather, reduce = sync.gather, sync._reduce
+    gather, reduce = sync.gather, sync.reducer.reduce
 
     def watched_gather(i: int) -> None:  # how many blocks' frozen weights are on the device
         gather(i)
@@ -49,7 +49,7 @@ def _stream_on_rank(rank: int, world: int, spill_dir: str) -> dict:
         reduced.append(sync.chunks[i].frozen)
         reduce(i)
 
-    sync.gather, sync._reduce = watched_gather, watched_reduce
+    sync.gather, sync.reducer.reduce = watched_gather, watched_reduce
     losses = [train_step(model, opt, pieces_of(family, s, 1, 1)[0]).loss for s in range(2)]
     frozen = [c.index for c in sync.chunks if c.frozen]
     return {"losses": losses, "most_blocks": most[0], "blocks": len(block_units),
