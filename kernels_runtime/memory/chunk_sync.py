@@ -53,27 +53,21 @@ from kernels_runtime.memory.tiers import Payload, Tier, TierStore
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.shards import ParamLayout
 from kernels_runtime.optim import GradShard, GradSync, StatePiece
-from kernels_runtime.parallel.data.zero import sharded_strategy
+from kernels_runtime.parallel.data.zero import shard_over_dp
 from kernels_runtime.policies.deferred import materialize, move_real, to_be_loaded
 
 
 class ChunkGradSync(GradSync):
-    # set by ``sharded_strategy`` (``parallel/data/zero.py``), as for every strategy over dp
-    ctx: ParallelContext
-    stage: int
-    dtype: torch.dtype
-    dp: int
-    dp_rank: int
-    layouts: dict[str, ParamLayout]
-
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
         layouts: dict[str, ParamLayout], *, blocks: list[nn.Module], zero_stage: int,
         precision: str, store: TierStore, placer_args: dict, chunk_mb: float = 32.0,
         replaced: dict[int, nn.Parameter] | None = None,
     ) -> None:
-        groups = sharded_strategy(self, model, optimizer, ctx, layouts, zero_stage, precision,
-                                  replaced)
+        shards = shard_over_dp(model, optimizer, ctx, layouts, zero_stage, precision, replaced)
+        self.ctx, self.stage, self.dtype = ctx, shards.stage, shards.dtype
+        self.dp, self.dp_rank, self.layouts = shards.dp, shards.dp_rank, shards.layouts
+        groups = shards.groups
         self.training = optimizer is not None  # without: weights only, for inference
         self._groups = len(groups)
         # frozen parameters train nothing: weights-only chunks, a group after the optimizer's

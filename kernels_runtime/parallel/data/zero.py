@@ -21,6 +21,7 @@ pieces of a bucket are placed in the global tensors through each parameter's lay
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -74,24 +75,35 @@ def named_param_groups(
     return groups
 
 
-def sharded_strategy(
-    sync: GradSync, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-    ctx: ParallelContext, layouts: dict[str, ParamLayout], zero_stage: int, precision: str,
+@dataclass
+class DpShards:
+    """What every strategy that shards over dp starts from (flat buckets here, offload's
+    chunks): stage, compute dtype, dp coordinates, a layout for every trainable parameter and
+    the optimizer's named param groups (without an optimizer, offload's weights for
+    inference: one group)."""
+
+    stage: int
+    dtype: torch.dtype
+    dp: int
+    dp_rank: int
+    layouts: dict[str, ParamLayout]
+    groups: list[list[tuple[str, nn.Parameter]]]
+
+
+def shard_over_dp(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: ParallelContext,
+    layouts: dict[str, ParamLayout], zero_stage: int, precision: str,
     replaced: dict[int, nn.Parameter] | None,
-) -> list[list[tuple[str, nn.Parameter]]]:
-    """What every strategy that shards over dp sets first (flat buckets here, offload's
-    chunks): the element-wise check, context, stage, dtype, dp coordinates and a layout for
-    every trainable parameter; returns the optimizer's named param groups (without an
-    optimizer, offload's weights for inference: one group)."""
+) -> DpShards:
+    """The element-wise check, then a ``DpShards`` for this rank."""
     if optimizer is not None:
         check_elementwise(optimizer)
-    sync.ctx, sync.stage = ctx, zero_stage
-    sync.dtype = compute_dtype(precision)
-    sync.dp, sync.dp_rank = ctx.dp_size, ctx.dp_rank
     groups = named_param_groups(model, optimizer, replaced)
-    sync.layouts = {n: layouts.get(n) or ParamLayout.replicated(tuple(p.shape))
-                    for g in groups for n, p in g}
-    return groups
+    return DpShards(
+        stage=zero_stage, dtype=compute_dtype(precision), dp=ctx.dp_size, dp_rank=ctx.dp_rank,
+        layouts={n: layouts.get(n) or ParamLayout.replicated(tuple(p.shape))
+                 for g in groups for n, p in g},
+        groups=groups)
 
 
 def _nothing() -> None:
@@ -111,8 +123,10 @@ class ZeroGradSync(GradSync):
         bucket_mb: float = 8.0,
         replaced: dict[int, nn.Parameter] | None = None,
     ) -> None:
-        groups = sharded_strategy(self, model, optimizer, ctx, layouts, zero_stage, precision,
-                                  replaced)
+        shards = shard_over_dp(model, optimizer, ctx, layouts, zero_stage, precision, replaced)
+        self.ctx, self.stage, self.dtype = ctx, shards.stage, shards.dtype
+        self.dp, self.dp_rank, self.layouts = shards.dp, shards.dp_rank, shards.layouts
+        groups = shards.groups
         model.to(ctx.device)
         self.buckets = build_buckets(groups, self.dp, int(bucket_mb * 2**20),
                                      key=lambda name: self.layouts[name].signature)
