@@ -11,6 +11,8 @@ the clients), and served throughput / direct throughput (aim >= 0.9); rounds alt
 two, medians with the min-max.
 
 ``--quick``: fewer, shorter requests on a smaller model (what the test runs).
+``--soak SECONDS``: instead, 64 clients, some disconnecting and some malformed, against a real
+``workbench serve`` for that long (``serving_soak.py``); exit status 1 on any failure.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import asyncio
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 from bench.table import print_table
@@ -181,7 +184,22 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--soak", type=float, default=None, metavar="SECONDS",
+                        help="soak a real workbench serve for SECONDS (serving_soak.py)")
+    parser.add_argument("--clients", type=int, default=64, help="with --soak: clients at once")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="with --soak: a model folder (default: SmolLM2-135M-Instruct)")
     args = parser.parse_args(argv)
+    if args.soak is not None:
+        from bench import serving_soak
+
+        if args.soak <= 0 or args.clients < 1:
+            parser.error("--soak takes seconds > 0 and --clients a count >= 1")
+        out = serving_soak.soak(args.soak, args.clients, args.ranks, args.model)
+        serving_soak.report(out)
+        if not out["ok"]:
+            raise SystemExit(1)
+        return out
     spec = dict(QUICK if args.quick else FULL)
     rounds = args.rounds or (1 if args.quick else 3)
     return report(run(spec, args.ranks, rounds), spec, args.ranks)

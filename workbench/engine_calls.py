@@ -67,15 +67,15 @@ def identify() -> dict[str, Any]:
 
     import torch
 
-    import workbench
     from kernels_runtime.launcher_env import launcher_rank
+    from workbench.version import __version__
 
     return {
         "host": socket.gethostname(),
         "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
         "pid": os.getpid(),
         "torch": str(torch.__version__),  # a plain str: TorchVersion would import torch here
-        "workbench": workbench.__version__,
+        "workbench": __version__,
         **launcher_rank(),
     }
 
@@ -148,13 +148,14 @@ def describe_rank() -> dict[str, Any]:
 @interactive
 def rank_memory() -> dict[str, Any]:
     """What this rank could hold: its device's bytes (None for a CPU rank) and its host's
-    available bytes (shared by every rank on that host), with the host's name."""
+    available bytes (shared by every rank on that host; a container's cgroup limit counts),
+    with the host's name."""
     import socket
 
-    import psutil
+    from kernels_runtime.memory.free import host_free
 
     return {"device": globals()["session"].state.accelerator.total_memory(),
-            "host_available": psutil.virtual_memory().available, "host": socket.gethostname()}
+            "host_available": host_free(), "host": socket.gethostname()}
 
 
 @interactive

@@ -54,6 +54,11 @@ from kernels_runtime.parallel.state import parallel_state
 from kernels_runtime.policies import find_module
 from kernels_runtime.precision import compute_dtype
 
+# the default KV cache of all ranks sharing a device (or host) together takes at most this
+# share of its memory free after the weights loaded: the rest is for activations, the runtime
+# and, on a host, everything else running there
+KV_SHARE = 0.5
+
 
 class Engine:
     """Paged-KV, continuously batched generation (module docstring). Collective: every rank
@@ -126,20 +131,16 @@ class Engine:
                 max_num_seqs: int) -> int:
         if kv_mem is not None:
             return parse_bytes(kv_mem)
-        # default: every sequence at full length, capped at a quarter of the device, or on
-        # the host at a quarter of its available memory shared by the ranks of this host (the
-        # cache is allocated whole: 5.6 GiB per rank for a 135M model's 32 x 4096 tokens)
+        # default: every sequence at full length, capped at KV_SHARE of the memory free now
+        # (the weights are loaded) on this rank's device, or its host, divided among the ranks
+        # sharing it; the cache's pages are taken as blocks are written (kv_cache.py)
         per_token = bytes_per_block(shapes, 1, dtype)
         want = max_num_seqs * min(self.max_model_len, 4096) * per_token
         from kernels_runtime.comm.accelerator import Accelerator
+        from kernels_runtime.memory.free import default_budget, local_ranks
 
-        total = Accelerator.for_backend(dist.get_backend()).total_memory()
-        if total:
-            return min(want, total // 4)
-        import psutil
-
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        return min(want, psutil.virtual_memory().available // (4 * max(1, local)))
+        return default_budget(Accelerator.for_backend(dist.get_backend()), KV_SHARE, want,
+                              local_ranks(dist.get_world_size()))
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: Any, params: SamplingParams | None = None,

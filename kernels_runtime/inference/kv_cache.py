@@ -45,9 +45,12 @@ class PagedKVCache:
                  dtype: torch.dtype, device: torch.device) -> None:
         self.num_blocks, self.block_size, self.dtype, self.device = (
             num_blocks, block_size, dtype, device)
-        self.keys = [torch.zeros(s.kv_heads, num_blocks * block_size, s.head_dim, dtype=dtype,
+        # empty, not zeros: a slot is read only after its token's keys were written (attention
+        # reads a sequence's first ``length`` slots), and on a host untouched pages cost no
+        # RSS, so memory follows the blocks used, not the budget
+        self.keys = [torch.empty(s.kv_heads, num_blocks * block_size, s.head_dim, dtype=dtype,
                                  device=device) for s in layers]
-        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.values = [torch.empty_like(k) for k in self.keys]
 
     @property
     def nbytes(self) -> int:

@@ -23,7 +23,8 @@ from kernels_runtime.mesh.sizes import human_bytes
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 # a replica fits a rank when its weights take at most this share of the rank's memory: the
-# rest holds the KV cache (a quarter of a device by default), activations and the runtime
+# rest holds the KV cache (by default half of what is free once the weights are loaded, shared
+# by the ranks of a device or host: kernels_runtime/memory/free.py), activations and the runtime
 WEIGHT_SHARE = 0.5
 
 

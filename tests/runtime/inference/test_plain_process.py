@@ -129,7 +129,8 @@ def test_a_plan_of_two_ranks_says_to_start_a_pool_or_use_torchrun():
     assert not out["initialised"]  # refused before any group was made
 
 
-def test_the_default_kv_cache_on_a_cpu_host_takes_a_quarter_of_its_memory_at_most():
+def test_the_default_kv_cache_on_a_cpu_host_takes_half_its_free_memory_at_most():
     out = _run(KV_DEFAULT)
     assert out["total"] < 64 * 2**30, "the model's default wish must exceed this host"
-    assert 0 < out["kv_mem"] <= out["total"] // 4, out
+    # half of what was free when the engine measured; free memory moves with other processes
+    assert 0 < out["kv_mem"] <= out["total"] // 2, out
