@@ -12,13 +12,20 @@ What the front end gets per changed request is append-only: new token ids and ne
 is held back while it ends in an unfinished character (a byte token may be half of one) or could
 be the start of a stop string, so streamed text is never taken back.
 ``stop`` drains: requests already in the engine finish, then the loop returns.
+
+A request's failure never ends the loop (``admit``); a failure of the step itself does: the
+leader ends every request of the replica with the cause (status 500) and the loop raises
+``ReplicaFailed``, which the rank side reports to the bridge so the replica leaves the
+rotation, instead of a loop that hangs or goes on from an unknown state.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from kernels_runtime.inference.chat import chat_prompt
@@ -32,16 +39,39 @@ def replica_leader(ctx: Any) -> bool:
     return ctx.coord("tp") == 0 and ctx.coord("pp") == 0
 
 
+class ReplicaFailed(RuntimeError):
+    """An engine step raised: the replica's state is unknown, so its loop ends (its requests
+    already ended with this error) rather than going on or hanging."""
+
+
 def share(ctx: Any, commands: list[Command] | None) -> list[Command]:
     """The leader's commands on every rank of its replica: over the pipeline group of the
-    leader's tensor column first, then each stage's tensor group."""
-    box: list[Any] = [commands]
+    leader's tensor column first, then each stage's tensor group. As JSON bytes in a tensor,
+    never pickle: a rank unpickling what arrives over the network would run whatever it says."""
+    payload = None if commands is None else \
+        json.dumps([c.to_json() for c in commands]).encode() if commands else b""
     for axis in ("pp", "tp"):
         if ctx.size(axis) == 1 or (axis == "pp" and ctx.coord("tp") != 0):
             continue
         first = ctx.topology.group_of(ctx.rank, (axis,))[0]
-        dist.broadcast_object_list(box, src=first, group=ctx.group(axis))
-    return box[0] or []
+        payload = _broadcast_bytes(payload, first, ctx.group(axis), ctx.device)
+    if not payload:
+        return []
+    return [Command.from_json(c) for c in json.loads(payload.decode())]
+
+
+def _broadcast_bytes(payload: bytes | None, src: int, group: Any, device: Any) -> bytes:
+    """``payload`` (given on ``src`` only) on every rank of ``group``: its length, then its
+    bytes when there are any (an idle turn costs one 8-byte broadcast)."""
+    size = torch.tensor([len(payload or b"")], dtype=torch.long, device=device)  # (1,)
+    dist.broadcast(size, src=src, group=group)
+    n = int(size.item())
+    if n == 0:
+        return b""
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device) \
+        if payload else torch.empty(n, dtype=torch.uint8, device=device)  # (n,)
+    dist.broadcast(data, src=src, group=group)
+    return data.cpu().numpy().tobytes()
 
 
 class DeltaTracker:
@@ -106,6 +136,7 @@ def serve(engine: Any, receive: Callable[[float], list[Command]] | None,
     leader = replica_leader(ctx)
     stop_strings: dict[str, tuple[str, ...]] = {}
     tracker = DeltaTracker(lambda rid: stop_strings.get(rid, ()))
+    running: set[str] = set()  # requests added and not finished (a failed step ends them)
     stopping = idle_figures_due = False
     while True:
         commands = None
@@ -122,19 +153,30 @@ def serve(engine: Any, receive: Callable[[float], list[Command]] | None,
                 engine.abort(command.request_id)
             else:
                 failed = admit(engine, command, stop_strings)
-                if leader and failed is not None:
+                if failed is None:
+                    running.add(command.request_id)
+                elif leader:
                     send([tracker.delta(failed)])
         if stopping and not engine.has_unfinished():
             if idle_figures_due:
                 ctx.telemetry.flush()
             return
         if engine.has_unfinished():
-            changed = engine.step()
+            try:
+                changed = engine.step()
+            except Exception as err:  # noqa: BLE001 - the step's failure ends the replica
+                why = f"engine.step() failed on rank {ctx.rank}: {type(err).__name__}: {err}"
+                if leader:  # every request of the replica ends with the cause
+                    send([{**tracker.delta(RequestOutput(rid, [], finish_reason="error",
+                                                         error=why, finished_s=0.0)),
+                           "status": 500} for rid in sorted(running)])
+                raise ReplicaFailed(why) from err
             if leader and changed:
                 send([tracker.delta(out) for out in changed])
             for out in changed:
                 if out.finished:
                     stop_strings.pop(out.request_id, None)
+                    running.discard(out.request_id)
             # Idle now, perhaps only until a client's next request: the figures go out once a
             # wait of idle_s brought nothing, so a flush of an idle moment between requests
             # (which restarts the publisher's interval) never hides a busy replica's figures.

@@ -4,7 +4,8 @@ Shared by the test tier (a few examples against a tiny model) and the full tier 
 against the real SmolLM2): schemathesis generates bodies the document allows (POSITIVE) and
 bodies it does not (NEGATIVE: wrong types, missing fields, values out of range); none may get a
 5xx or a dropped connection. ``max_tokens`` is capped and ``model`` named in the document that is
-fuzzed, so the run spends its time on many requests rather than on long answers.
+fuzzed, so the run spends its time on many requests rather than on long answers, and the body's
+``timeout`` kept to deadlines the request can meet (a tiny one is a 504 by design).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def fuzz_endpoint(url: str, headers: dict[str, str], model: str, examples: int,
         for key in ("max_tokens", "max_completion_tokens"):
             if key in body:
                 body[key]["maximum"] = max_tokens
+        # a deadline the request may meet: a tiny one is a 504 by design (test_request_deadline)
+        body["timeout"] = {"type": "number", "minimum": 120, "maximum": 600, "nullable": True}
     schema = schemathesis.openapi.from_dict(document)
     seen: dict[int, int] = {}
     for path in ROUTES:

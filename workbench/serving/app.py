@@ -18,13 +18,23 @@ the limit, for a chunked one), never read whole; JSON nested deeper than the par
 recursion is a 400; more than ``max_inflight`` requests being answered is a 429 with
 ``Retry-After``; a key that is not even ASCII is a 401 like a wrong one. A non-streaming client
 that goes away while its answer is generated aborts its request, as a streaming one does.
+
+Every request has a deadline: the endpoint's ``request_timeout_s`` (``workbench serve
+--request-timeout``), or a shorter ``timeout`` (seconds) in its body, a field of ours since
+OpenAI's API has none (its clients' ``timeout`` is their own). Past it the request is aborted
+on its replica (its KV blocks freed) and answered 504, or, once streaming, its stream ends with
+an error event. A request the ranks could not take (the bridge's queue full, a replica's
+leader busy or gone) is a 503, with ``Retry-After`` where retrying soon can work; one whose
+replica's engine step failed is a 500 naming the cause.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import secrets
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -34,6 +44,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kernels_runtime.inference.commands import Command
 from workbench.serving import openai_api as api
 from workbench.serving import openapi_schema
+from workbench.serving.bridge import Unavailable
 from workbench.serving.openai_api import ApiError
 
 MAX_BODY = 8 * 2**20  # bytes; a longer prompt than any context holds, with room for JSON
@@ -44,6 +55,28 @@ DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its cli
 
 class _ClientGone(Exception):
     """The client of a non-streaming request disconnected before its answer was ready."""
+
+
+class _DeadlinePassed(Exception):
+    """The request's deadline passed before its answer was ready."""
+
+
+def request_timeout(body: Any, limit_s: float) -> float:
+    """Seconds the request may take: its body's ``timeout`` (taken out of the body, which
+    the OpenAI checks then see without it), at most the endpoint's ``limit_s``."""
+    value = body.pop("timeout", None) if isinstance(body, dict) else None
+    if value is None:
+        return limit_s
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value <= 0:
+        raise ApiError(400, f"timeout must be a number of seconds > 0, got {value!r}", "timeout")
+    return min(float(value), limit_s)
+
+
+def _error_event(status: int, message: str) -> bytes:
+    kind = "timeout" if status == 504 else "server_error" if status >= 500 else \
+        "invalid_request_error"
+    return _event(ApiError(status, message, kind=kind).body())
 
 
 def create_app(server: Any) -> FastAPI:
@@ -142,28 +175,31 @@ def create_app(server: Any) -> FastAPI:
         authorize(request)
         check_capacity()
         body = await body_of(request)
+        timeout_s = request_timeout(body, server.request_timeout_s)
         prompt, params = api.completion_request(body)
         adapter = check_model(body)
-        return await respond(request, "completion", prompt, params, body, adapter)
+        return await respond(request, "completion", prompt, params, body, adapter, timeout_s)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         authorize(request)
         check_capacity()
         body = await body_of(request)
+        timeout_s = request_timeout(body, server.request_timeout_s)
         messages, params = api.chat_request(body)
         adapter = check_model(body)
-        return await respond(request, "chat", messages, params, body, adapter)
+        return await respond(request, "chat", messages, params, body, adapter, timeout_s)
 
     async def respond(request: Request, kind: str, prompt: Any, params: dict[str, Any],
-                      body: dict[str, Any], adapter: str | None) -> Response:
+                      body: dict[str, Any], adapter: str | None, timeout_s: float) -> Response:
         reason = server.unavailable()
         if reason:
             raise ApiError(503, reason, kind="unavailable")
         check_capacity()  # again: others may have been admitted while this body was read
         server.active += 1  # until its response ends: what --stop drains
         try:
-            response = await answer(request, kind, prompt, params, body, adapter)
+            response = await answer(request, kind, prompt, params, body, adapter,
+                                    time.monotonic() + timeout_s)
         except BaseException:
             server.active -= 1
             raise
@@ -172,51 +208,79 @@ def create_app(server: Any) -> FastAPI:
         return response
 
     async def answer(request: Request, kind: str, prompt: Any, params: dict[str, Any],
-                     body: dict[str, Any], adapter: str | None) -> Response:
+                     body: dict[str, Any], adapter: str | None, deadline: float) -> Response:
         route = request.url.path
         rid = api.new_id(kind)
         model = adapter or server.model_id  # the answer names what answered
-        queue = server.bridge.submit(Command(kind, rid, prompt, params, adapter))
+        try:
+            queue = server.bridge.submit(Command(kind, rid, prompt, params, adapter))
+        except Unavailable as err:
+            retry = err.retry_after_s
+            raise ApiError(503, str(err), kind="unavailable", headers={
+                "Retry-After": str(retry)} if retry else None) from None
         streaming = bool(body.get("stream"))
         try:
-            first = await (queue.get() if streaming else next_delta(request, queue))
+            first = await next_delta(request, queue, deadline)
         except _ClientGone:
             return gone(rid, route)
+        except _DeadlinePassed:
+            raise timed_out(rid) from None
         if first.get("error"):
             server.bridge.abort(rid)
-            status = 503 if server.unavailable() else 400  # a rank died, or the request
+            # the bridge's or the ranks' own status, else a rank died, or the request was bad
+            status = first.get("status") or (503 if server.unavailable() else 400)
             raise ApiError(status, first["error"], kind="invalid_request_error"
-                           if status == 400 else "unavailable")
+                           if status == 400 else "unavailable" if status == 503
+                           else "server_error")
         if streaming:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             server.metrics.requests.labels(route, "200").inc()
             return StreamingResponse(
-                stream(kind, rid, model, first, queue, include_usage),
+                stream(kind, rid, model, first, queue, include_usage, deadline),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         delta, text = first, first.get("text") or ""
         try:
             while delta.get("finish_reason") is None:
-                delta = await next_delta(request, queue)
+                delta = await next_delta(request, queue, deadline)
                 text += delta.get("text") or ""
         except _ClientGone:
             return gone(rid, route)
+        except _DeadlinePassed:
+            raise timed_out(rid) from None
         if delta.get("error"):
-            raise ApiError(503, delta["error"], kind="unavailable")
+            status = delta.get("status") or 503
+            raise ApiError(status, delta["error"],
+                           kind="unavailable" if status == 503 else "server_error")
         server.metrics.requests.labels(route, "200").inc()
         counts = (delta["prompt_tokens"], delta["completion_tokens"])
         build = api.completion_body if kind == "completion" else api.chat_body
         return JSONResponse(build(rid, model, text, delta["finish_reason"], counts))
 
-    async def next_delta(request: Request, queue: asyncio.Queue) -> dict[str, Any]:
+    async def next_delta(request: Request, queue: asyncio.Queue,
+                         deadline: float) -> dict[str, Any]:
         """The request's next delta, checking every ``DISCONNECT_POLL_S`` that its client is
-        still there (``_ClientGone`` if not)."""
+        still there (``_ClientGone`` if not) and that its deadline has not passed
+        (``_DeadlinePassed``)."""
         while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _DeadlinePassed
             try:
-                return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+                return await asyncio.wait_for(queue.get(), min(DISCONNECT_POLL_S, left))
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     raise _ClientGone from None
+
+    def timed_out(rid: str) -> ApiError:
+        """A request past its deadline: aborted on its replica (its KV blocks freed)."""
+        server.bridge.abort(rid)
+        return ApiError(504, deadline_message(), kind="timeout", code="request_timeout")
+
+    def deadline_message() -> str:
+        return (f"the request took longer than its timeout and was aborted: the endpoint "
+                f"allows {server.request_timeout_s:g} s (--request-timeout) and a body may ask "
+                "for less with \"timeout\"; ask for fewer tokens or a longer timeout")
 
     def gone(rid: str, route: str) -> Response:
         """A non-streaming client went away: its request is aborted (its KV blocks freed)."""
@@ -225,12 +289,19 @@ def create_app(server: Any) -> FastAPI:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     async def stream(kind: str, rid: str, model: str, first: dict[str, Any],
-                     queue: asyncio.Queue, include_usage: bool) -> AsyncIterator[bytes]:
+                     queue: asyncio.Queue, include_usage: bool,
+                     deadline: float) -> AsyncIterator[bytes]:
         delta, done = first, False
         try:
             if kind == "chat":
                 yield _event(api.chat_chunk(rid, model, {"role": "assistant"}, None))
             while True:
+                if delta.get("error"):  # its replica failed mid-stream: an error event ends it
+                    done = True
+                    status = delta.get("status") or 503
+                    server.metrics.requests.labels(request_route(kind), str(status)).inc()
+                    yield _error_event(status, delta["error"])
+                    return
                 reason = delta.get("finish_reason")
                 text = delta.get("text") or ""
                 if text or reason is not None:
@@ -242,7 +313,14 @@ def create_app(server: Any) -> FastAPI:
                 if reason is not None:
                     done = True
                     break
-                delta = await queue.get()
+                try:
+                    delta = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
+                except asyncio.TimeoutError:  # past its deadline: aborted, told so, ended
+                    done = True
+                    server.bridge.abort(rid)
+                    server.metrics.requests.labels(request_route(kind), "504").inc()
+                    yield _error_event(504, deadline_message())
+                    return
             if include_usage:
                 yield _event({"id": rid, "object": "text_completion" if kind == "completion"
                               else "chat.completion.chunk", "model": model,

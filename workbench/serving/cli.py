@@ -2,7 +2,7 @@
 
     workbench serve --model DIR [--plan "tp=2"] [--pool-size N] [--port 8000] [--host 127.0.0.1]
                     [--api-key K | --no-api-key] [--kv-mem 256MiB] [--model-name NAME]
-                    [--lora NAME=DIR ...] [--max-inflight 256]
+                    [--lora NAME=DIR ...] [--max-inflight 256] [--request-timeout 600]
 
 The pool starts, every rank loads its pieces of the model (``load_pretrained``: a meta model
 filled shard-wise from the safetensors, so a host holds about one copy of the weights, not one
@@ -15,6 +15,7 @@ SIGTERM, which drain the requests in flight before the pool stops. The same ``Se
 whose ``model`` is NAME is generated through it, beside requests for the base model and other
 adapters in the same batches. ``--max-inflight N`` caps the requests answered at once; past it
 a request is a 429 with ``Retry-After`` (a client retries) rather than a queue without end.
+``--request-timeout S`` bounds what one request may take: past it, it is aborted and a 504.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import sys
 import threading
 from pathlib import Path
 from typing import Any
+
+from workbench.serving.options import add_limit_options, limit_settings
 
 BUILD = """
 from pathlib import Path
@@ -72,16 +75,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                       "folder's name)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="a peft LoRA adapter folder clients name as model=NAME (repeatable)")
-    p.add_argument("--max-inflight", type=_positive, default=None, metavar="N",
-                   help="requests answered at once; more get 429 with Retry-After "
-                        "(default: 256)")
+    add_limit_options(p)
     p.set_defaults(func=run)
-
-
-def _positive(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"give a whole number >= 1, got {value!r}")
-    return int(value)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,7 +135,7 @@ def _serve(pool: Any, folder: Path, plan: str, args: argparse.Namespace) -> Any:
              display=lambda rank, content: None)
     key, where = (None, None) if args.no_api_key else new_key(args.port, args.api_key)
     server = Server(pool, "engine", model_id=args.model_name or folder.name,
-                    host=args.host, port=args.port, api_key=key)
+                    host=args.host, port=args.port, api_key=key, **limit_settings(args))
     server.max_inflight = args.max_inflight  # None: the app's default
     try:
         server.start()

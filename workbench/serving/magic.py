@@ -28,6 +28,7 @@ from workbench.dashboard.endpoint import EndpointHistory
 from workbench.errors import PoolError
 from workbench.serving.display import ServingDisplay, sample_of
 from workbench.serving.keys import new_key
+from workbench.serving.options import add_limit_options, limit_settings
 from workbench.serving.server import Server
 
 
@@ -49,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="store_true", help="stop the endpoint")
     p.add_argument("--status", action="store_true",
                    help="the endpoint, its requests and the engines' queue")
+    add_limit_options(p)
     return p
 
 
@@ -90,7 +92,8 @@ def serve_command(magics: Any, line: str) -> None:
     if not args.no_api_key:
         key, where = new_key(args.port, args.api_key)
     server = Server(magics.pool, args.engine, model_id=args.model, host=args.host,
-                    port=args.port, api_key=key)
+                    port=args.port, api_key=key, **limit_settings(args))
+    server.max_inflight = args.max_inflight  # None: the app's default
     server.rebuild = _building_cell(magics, args.engine)
     try:
         server.start()

@@ -33,6 +33,10 @@ def _common() -> dict[str, Any]:
                            "properties": {"include_usage": {"type": "boolean"}}},
         "n": {"type": "integer", "enum": [1], "nullable": True},
         "user": {"type": "string"},
+        # ours (OpenAI has none): seconds before the request is aborted with a 504, at most
+        # the endpoint's --request-timeout
+        "timeout": {"type": "number", "exclusiveMinimum": True, "minimum": 0,
+                    "nullable": True},
     }
 
 
@@ -56,7 +60,7 @@ def _operation(body: dict[str, Any], summary: str) -> dict[str, Any]:
                             "content": {"application/json": {"schema": body}}},
             "responses": {"200": {"description": "the completion (server-sent events when "
                                                   "stream is true)"},
-                          **{str(s): error for s in (400, 401, 404, 413, 429, 503)}}}
+                          **{str(s): error for s in (400, 401, 404, 413, 429, 503, 504)}}}
 
 
 def openapi() -> dict[str, Any]:

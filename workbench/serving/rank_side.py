@@ -6,12 +6,15 @@ the loop itself is ``kernels_runtime.inference.service.serve``. Imported by the 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
 from ipyparallel import interactive
 
 from kernels_runtime.inference.commands import Command
+
+log = logging.getLogger("workbench.serving.rank_side")
 
 # A leader that hears nothing from the server (not even its heartbeat, ``bridge.HEARTBEAT_S``)
 # for this long takes it for dead: the kernel holding it was killed, say.
@@ -32,10 +35,14 @@ def describe_engine(name: str) -> dict[str, Any] | str:
     return {"replica": int(value.ctx.dp_rank), "adapters": list(value.adapters.names)}
 
 
-def serve_engine(engine: Any, address: str, secret: str) -> str:
-    """Serve ``engine`` until the server sends stop; returns how it ended."""
+def serve_engine(engine: Any, address: str, secret: str, server_key: str | None = None) -> str:
+    """Serve ``engine`` until the server sends stop; returns how it ended. ``server_key`` is
+    the bridge's CURVE public key where its traffic is encrypted (beyond loopback), else None.
+    A replica whose engine fails (``ReplicaFailed``) tells the bridge before the error ends
+    this rank's task, so the server takes it out of the rotation at once."""
     from kernels_runtime.inference import Engine
-    from kernels_runtime.inference.service import replica_leader, serve
+    from kernels_runtime.inference.service import ReplicaFailed, replica_leader, serve
+    from workbench.serving.bridge import MAX_MESSAGE, leader_identity
 
     if not isinstance(engine, Engine):
         raise TypeError(f"%colossal serve serves a kernels_runtime.inference.Engine; this "
@@ -45,10 +52,17 @@ def serve_engine(engine: Any, address: str, secret: str) -> str:
         return "stopped"
     import zmq
 
+    replica = int(engine.ctx.dp_rank)
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 1000)
+    socket.setsockopt(zmq.ROUTING_ID, leader_identity(replica))
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+    if server_key is not None:  # encrypted: this leader's own key pair, the server's public key
+        public, private = zmq.curve_keypair()
+        socket.curve_publickey, socket.curve_secretkey = public, private
+        socket.curve_serverkey = server_key.encode("ascii")
     socket.connect(address)
-    socket.send(json.dumps({"hello": secret, "replica": engine.ctx.dp_rank}).encode())
+    socket.send(json.dumps({"hello": secret, "replica": replica}).encode())
 
     heard = [time.monotonic()]  # when the server last sent anything
     in_flight: set[str] = set()  # requests this replica has not finished
@@ -58,10 +72,9 @@ def serve_engine(engine: Any, address: str, secret: str) -> str:
         if socket.poll(int(timeout_s * 1000)):
             heard[0] = time.monotonic()
             while socket.poll(0):
-                message = json.loads(socket.recv())
-                if message.get("heartbeat"):
+                command = _command(socket.recv())
+                if command is None:
                     continue
-                command = Command.from_json(message)
                 if command.kind not in ("abort", "stop"):
                     in_flight.add(command.request_id)
                 commands.append(command)
@@ -78,6 +91,26 @@ def serve_engine(engine: Any, address: str, secret: str) -> str:
 
     try:
         serve(engine, receive, send)
+    except ReplicaFailed as err:
+        socket.send(json.dumps({"failed": str(err)}).encode())
+        raise
     finally:
         socket.close()
     return "stopped"
+
+
+def _command(payload: bytes) -> Command | None:
+    """What the server sent, or None for a heartbeat or a message that is no command (logged:
+    only the bridge can send here, so it is a bug, not an attack, and the loop goes on)."""
+    try:
+        message = json.loads(payload)
+        if message.get("heartbeat"):
+            return None
+        command = Command.from_json(message)
+        if command.kind not in ("completion", "chat", "abort", "stop"):
+            raise ValueError(f"unknown command kind {command.kind!r}")
+        return command
+    except Exception as err:  # noqa: BLE001 - one bad message never ends the loop
+        log.warning("a serving leader dropped a message from the server: %s: %s",
+                    type(err).__name__, err)
+        return None

@@ -7,7 +7,9 @@ until every replica has connected. A watcher thread follows the ranks: a rank th
 loop that fails makes the endpoint answer 503 with the reason (requests in flight end with it),
 and it feeds ``/metrics`` and the dashboard from the ranks' telemetry. ``resume`` starts the
 loop again on a restarted pool. ``stop`` drains: new requests get 503, requests in flight
-finish, then the ranks leave their loop and uvicorn shuts down.
+finish, then the ranks leave their loop and uvicorn shuts down. A request that takes longer
+than ``request_timeout_s`` (or the shorter ``timeout`` its body asks for) is aborted on its
+replica and answered 504 (``app.py``), so a stuck request never holds a client forever.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from workbench.serving.bridge import Bridge
 from workbench.serving.metrics import Metrics
 
 _RUNNING: list[Server] = []
+DEFAULT_REQUEST_TIMEOUT_S = 600.0  # workbench serve --request-timeout
 
 
 def running_servers() -> list[Server]:
@@ -53,8 +56,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class Server:
     def __init__(self, pool: Any, engine: str, *, model_id: str | None = None,
-                 host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None) -> None:
+                 host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+        if not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be a number of seconds > 0, got "
+                             f"{request_timeout_s!r}")
         self.pool, self.engine, self.host, self.port = pool, engine, host, port
+        self.request_timeout_s = request_timeout_s  # the most a request may take (app.py)
         self.model_id = model_id or engine
         self.adapters: list[str] = []  # LoRA adapters' names, read from the engine at start
         self.api_key = api_key
@@ -83,6 +91,9 @@ class Server:
             return f"the endpoint {self.url} is stopping and takes no new requests"
         if self.failure:
             return self.failure
+        problem = self.bridge.problem() if self.bridge is not None else None
+        if problem:  # its thread died, or every replica's leader is gone or failed
+            return problem
         if self.bridge is None or self.bridge.connected == 0:
             return "the ranks' serving loop is not connected yet"
         return None
@@ -150,7 +161,7 @@ class Server:
         self.failure = None
         code = (f"import workbench.serving.rank_side as _wb_serving\n"
                 f"_wb_serving.serve_engine({self.engine}, {self.bridge.address!r}, "
-                f"{self.bridge.secret!r})\n")
+                f"{self.bridge.secret!r}, {self.bridge.server_key!r})\n")
         self.task = self.pool.view().execute(code, silent=True, block=False)
         replicas = self.replicas
         deadline = time.monotonic() + connect_timeout_s

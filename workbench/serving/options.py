@@ -1,0 +1,37 @@
+"""The endpoint's limits as one option group, shared by ``workbench serve`` (``cli.py``) and
+``%colossal serve`` (``magic.py``), so both take the same flags with the same checks."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"give a whole number >= 1, got {value!r}")
+    return int(value)
+
+
+def seconds(value: str) -> float:
+    try:
+        parsed = float(value)
+    except ValueError:
+        parsed = float("nan")
+    if not parsed > 0 or parsed == float("inf"):
+        raise argparse.ArgumentTypeError(f"give a number of seconds > 0, got {value!r}")
+    return parsed
+
+
+def add_limit_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-inflight", type=positive_int, default=None, metavar="N",
+                   help="requests answered at once; more get 429 with Retry-After "
+                        "(default: 256)")
+    p.add_argument("--request-timeout", type=seconds, default=None, metavar="S",
+                   help="seconds a request may take before it is aborted and answered 504 "
+                        "(default: 600; a body's \"timeout\" may ask for less)")
+
+
+def limit_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``Server`` keyword arguments for the limits given (none: the server's defaults)."""
+    return {} if args.request_timeout is None else {"request_timeout_s": args.request_timeout}
