@@ -170,10 +170,14 @@ class Collectives:
                   lambda: dist.broadcast(tensor, src=src, group=group, async_op=True))
         return tensor
 
-    def all_to_all(self, output: Tensor, input: Tensor, group: Group = None) -> Tensor:
-        """Rank i sends its j-th dim-0 chunk of `input` to rank j (all_to_all_single)."""
+    def all_to_all(self, output: Tensor, input: Tensor, group: Group = None, *,
+                   output_split_sizes: list[int] | None = None,
+                   input_split_sizes: list[int] | None = None) -> Tensor:
+        """Rank i sends its j-th dim-0 chunk of `input` to rank j (all_to_all_single); chunks
+        are equal unless split sizes (rows per rank, as in torch) are given."""
         self._run("all_to_all", group, _nbytes(input),
-                  lambda: dist.all_to_all_single(output, input, group=group, async_op=True))
+                  lambda: dist.all_to_all_single(output, input, output_split_sizes,
+                                                 input_split_sizes, group=group, async_op=True))
         return output
 
     def barrier(self, group: Group = None) -> None:
