@@ -1,10 +1,13 @@
 """Benchmarks: each prints a table whose last line is its headline ratio against the native
 PyTorch (or ipyparallel / HF) equivalent measured in the same run.
 
-Run one with ``python -m bench NAME``, all with ``python -m bench all``. ``gpu_check`` is not
-a benchmark but the one prepared check of the GPU path (it reports "skipped" without a GPU).
+Run one with ``python -m bench NAME``, all with ``python -m bench all``. Each benchmark is a
+package ``bench/NAME/`` (``run.py`` holds its ``main``; ``ranks``, ``formulas``, ``report``
+where it has them) over ``bench/common/`` (table, spread, meters, timing), and imports no other
+benchmark's private names. The GPU path's check is not a benchmark:
+``python tools/gpu_check.py``.
 """
 
 BENCHMARKS = ("magic_overhead", "data_parallel", "planner", "tensor_parallel",
               "tensor_parallel_grid", "sequence_parallel", "pipeline", "memory", "inference",
-              "serving", "loading", "finetune", "gpu_check")
+              "serving", "loading", "finetune")

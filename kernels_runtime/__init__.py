@@ -12,8 +12,7 @@ notebook side does, does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kernels_runtime._lazy import lazy_module as _lazy_module
 
 __version__ = "0.1.0"
 
@@ -40,7 +39,7 @@ _PUBLIC = {
     "CheckpointError": "kernels_runtime.checkpoint",
     "get_policy": "kernels_runtime.policies",
     "register_policy": "kernels_runtime.policies",
-    "deferred_parameters": "kernels_runtime.policies.deferred",
+    "deferred_parameters": "kernels_runtime.deferred_params",
     "evaluate": "kernels_runtime.api",
     "fit": "kernels_runtime.api",
     "BudgetError": "kernels_runtime.memory.placement",
@@ -48,15 +47,4 @@ _PUBLIC = {
 
 __all__ = sorted(_PUBLIC)
 
-
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kernels_runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_PUBLIC])
+__getattr__, __dir__ = _lazy_module(_PUBLIC, globals())

@@ -16,7 +16,7 @@ from report import describe, read_cases  # tests/report.py (tests/ is on sys.pat
 TESTS = Path(__file__).resolve().parent
 
 POOL_TEST = """
-from kernels_runtime.launch import RankPool
+from kernels_runtime.testing import RankPool
 
 
 def _rank(rank, world_size):

@@ -4,22 +4,24 @@
 ipyparallel; it never touches torch.distributed itself.
 """
 
-__version__ = "0.1.0"
-
 from typing import Any
 
-# The function deliberately shadows the ``workbench.dashboard`` subpackage as an attribute of
-# ``workbench``: users call ``workbench.dashboard()``, while imports such as
-# ``from workbench.dashboard import LiveDashboard`` still resolve through sys.modules.
-from workbench.dashboard import dashboard
 from workbench.errors import PoolError, RankFailureError
+from workbench.lab.state import PoolStateFile
 from workbench.planner import recommend as recommend  # re-export: workbench.recommend(...)
 from workbench.pool import Pool, RankStatus
+from workbench.pool_state import publish_pool_state_with
 from workbench.rank_fit import RankFit, fit_ranks
+from workbench.version import __version__ as __version__
+
+# The ui registers itself with the layer below: every Pool publishes its state to the file the
+# JupyterLab extension reads (inside a kernel), without the pool importing the lab. This
+# package's face is the one module above every layer (tests/workbench/test_workbench_layering.py).
+publish_pool_state_with(PoolStateFile)
 
 __all__ = ["Pool", "PoolError", "RankFailureError", "RankFit", "RankStatus", "RemoteEngine",
-           "active_pool", "dashboard", "fit_ranks", "free_port", "load_ipython_extension",
-           "recommend", "tune"]
+           "active_pool", "fit_ranks", "free_port", "load_ipython_extension",
+           "recommend", "show_dashboard", "tune"]
 
 # what notebooks use from deeper modules, imported on first use (IPython and the serving
 # stack are not needed to import the workbench)
@@ -35,6 +37,28 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value
+
+
+def show_dashboard(run: Any = None, shell: Any = None) -> Any:
+    """The dashboard of ``run`` (a ``RunHistory`` or ``LiveDashboard``), by default the last
+    ``%%colossal`` cell of this session (the magics keep it as ``last_run``).
+
+    Display it (last expression of a cell) for the interactive figure, or write a report with
+    ``workbench.show_dashboard().to_html("reports/run.html")``. Named so as not to shadow the
+    ``workbench.dashboard`` package (``from workbench.dashboard import LiveDashboard``)."""
+    from workbench.dashboard import Dashboard, LiveDashboard
+
+    if isinstance(run, LiveDashboard):
+        run = run.history
+    if run is None:
+        from workbench.magics import active_magics
+
+        magics = active_magics(shell)
+        run = magics.last_run if magics is not None else None
+        if run is None:
+            raise ValueError("no %%colossal cell has run in this session yet: run one, or "
+                             "pass its history: workbench.show_dashboard(run)")
+    return Dashboard(run)
 
 
 def tune(model: Any, **options: Any) -> Any:

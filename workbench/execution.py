@@ -34,9 +34,9 @@ from typing import Any
 from ipyparallel.error import RemoteError
 
 from workbench.errors import PoolError, RankError, RankFailureError
-from workbench.lab.state import PoolStateFile
 from workbench.oom_hint import memory_hint
 from workbench.pool import Pool
+from workbench.pool_state import StatePublisher
 
 StreamSink = Callable[[int, str, str], None]  # (rank, "stdout"|"stderr", text)
 DisplaySink = Callable[[int, dict[str, Any]], None]  # (rank, display_data content)
@@ -101,7 +101,7 @@ class _DataForwarder:
     """Hand each rank's latest published data to ``sink``, rate-limited."""
 
     def __init__(self, ranks: list[int], metadata: list[dict], sink: DataSink | None,
-                 interval_s: float, stream: StreamSink, state: PoolStateFile) -> None:
+                 interval_s: float, stream: StreamSink, state: StatePublisher) -> None:
         self.ranks, self.metadata, self.sink = ranks, metadata, sink
         self.interval_s, self.stream, self.state = interval_s, stream, state
         self.last = float("-inf")

@@ -120,7 +120,7 @@ class RemoteEngine:
                              label=f"{self.name}.generate")
         self.last_run = live.history
         if magics is not None:
-            magics.last_run = live.history  # workbench.dashboard() shows this call's run
+            magics.last_run = live.history  # workbench.show_dashboard() shows this call's run
         live.start()
         code = (f"import workbench.inference_calls as _wb_calls\n"
                 f"{_OUT} = _wb_calls.generate_published({self.name}, *{_ARGS})\n")

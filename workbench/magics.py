@@ -7,7 +7,7 @@ IPython ``UsageError``s with argparse's message; failures on ranks become one
 
 Every cell's published telemetry is collected by a ``LiveDashboard`` (shown once a cell has
 run about 2 s and published something, or with ``--dashboard``; never with
-``--no-dashboard``) and kept as ``last_run`` for ``workbench.dashboard()``.
+``--no-dashboard``) and kept as ``last_run`` for ``workbench.show_dashboard()``.
 """
 
 from __future__ import annotations

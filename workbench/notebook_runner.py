@@ -31,7 +31,7 @@ from workbench.start_options import ENV as START_OPTIONS_ENV
 # run after the notebook's cells in its kernel: the dashboard of the last %%colossal cell
 REPORT_CELL = """import workbench as _workbench
 try:
-    print("dashboard report:", _workbench.dashboard().to_html({path!r}))
+    print("dashboard report:", _workbench.show_dashboard().to_html({path!r}))
 except ValueError as _e:  # no %%colossal cell ran: nothing to report
     print("no dashboard report:", _e)
 """

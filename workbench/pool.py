@@ -10,8 +10,12 @@ module turns them into ranks of one torch.distributed world:
   ids change on every restart;
 - the process group created on every rank at start, and re-created after a failed cell.
 
-Inside a Jupyter kernel the pool also publishes its state (ranks, devices, memory, busy/idle)
-to a small file that the JupyterLab extension's server reads (``workbench.lab.state``).
+The pool is lifecycle: processes started, watched and stopped. What it knows about its ranks
+(the rank table and the queries on it) is a ``RankQueries`` it holds as ``pool.ranks``
+(``pool_status.py``); forming the torch.distributed world on the engines is ``world.py``.
+It publishes its state (ranks, devices, memory, busy/idle) to a ``StatePublisher``
+(``pool_state.py``); inside a Jupyter kernel that is the file the JupyterLab extension's
+server reads, registered by the ui (``workbench.lab.state``): the pool never imports the ui.
 
 Lifecycle methods are async-first with blocking twins: ``start_async``/``start`` and so on.
 """
@@ -27,19 +31,19 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import ipyparallel as ipp
-import psutil
 
-from kernels_runtime.memory.spill import POOL_ENV, remove_stale, spill_root
 from workbench import engine_calls
 from workbench._async import LoopThread
 from workbench.errors import PoolError
-from workbench.lab.state import PoolStateFile, rank_row
 from workbench.launchers import LauncherSpec, cluster_config, engine_launcher, resolve_launcher
+from workbench.pool_cleanup import arm_reaper, remove_dead_spill
+from workbench.pool_state import StatePublisher, new_publisher, rank_rows
 from workbench.pool_status import RankQueries
 from workbench.pool_status import RankStatus as RankStatus  # re-exported: workbench.RankStatus
-from workbench.ranks import assign_ranks, check_versions, notebook_versions, visible_gpu_count
+from workbench.ranks import visible_gpu_count
 from workbench.reaper import ReaperHandle
 from workbench.slurm import job_state, timeout_message, watch_message
+from workbench.world import init_group, lay_out, recreate_group
 
 log = logging.getLogger("workbench.pool")
 # The hub admits an engine only after its first heartbeat (ipyparallel's 3 s period made every
@@ -53,7 +57,7 @@ HEARTBEAT_ARGS = ["--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_
 CONTROLLER_ARGS = [*HEARTBEAT_ARGS, "--IPController.broadcast_scheduler_depth=0"]
 
 
-class Pool(RankQueries):
+class Pool:
     """Ranks on ipyparallel engines with torch.distributed initialised on each.
 
     Parameters
@@ -72,7 +76,9 @@ class Pool(RankQueries):
     start_timeout_s: how long start and restart wait for engines (a Slurm job in the queue
         included) and for torch.distributed to initialise.
     publish_state: write the pool-state file for the JupyterLab extension; by default only
-        inside a Jupyter kernel.
+        inside a Jupyter kernel (passed to the registered publisher factory).
+    state: where the pool publishes its state; default: the registered publisher
+        (``workbench.pool_state.publish_pool_state_with``), else nowhere.
     """
 
     def __init__(
@@ -88,6 +94,7 @@ class Pool(RankQueries):
         collective_timeout_s: float = 60.0,
         start_timeout_s: float = 120.0,
         publish_state: bool | None = None,
+        state: StatePublisher | None = None,
         **cluster_kwargs: Any,
     ) -> None:
         if n is not None and n < 1:
@@ -103,24 +110,53 @@ class Pool(RankQueries):
         self.collective_timeout_s = collective_timeout_s
         self.start_timeout_s = start_timeout_s
         self.cluster_kwargs = cluster_kwargs
-        self.cluster: ipp.Cluster | None = None
-        self.client: ipp.Client | None = None
-        self.engine_ids: list[int] = []  # index = rank
-        self.ranks_info: list[dict[str, Any]] = []
+        self.ranks = RankQueries(self.launcher, publish=lambda busy, dead: self.publish_ranks(
+            busy=busy, dead=dead))
         self.gpus = 0
-        self.hosts: list[str] = []  # per rank
-        self._engine_sets: list[str] = []
         self.progress = ""  # what a start is waiting for, e.g. a pending Slurm job
         self.needs_reset = False  # set after a failed cell: re-create the group before the next
         self._loop = LoopThread()
         self._reaper = ReaperHandle()  # stops the cluster if this process dies without stop()
-        self.state = PoolStateFile(publish_state)
+        self.state = state if state is not None else new_publisher(publish_state)
         atexit.register(self.state.remove)  # a kernel that exits takes its pool file along
 
-    # ---- properties -------------------------------------------------------------------
+    # ---- the rank table, read from ``self.ranks`` (which owns it) ----------------------
+    @property
+    def cluster(self) -> ipp.Cluster | None:
+        return self.ranks.cluster
+
+    @property
+    def client(self) -> ipp.Client | None:
+        return self.ranks.client
+
+    @property
+    def engine_ids(self) -> list[int]:
+        return self.ranks.engine_ids  # index = rank
+
+    @property
+    def hosts(self) -> list[str]:
+        return self.ranks.hosts  # per rank
+
     @property
     def started(self) -> bool:
-        return self.client is not None and bool(self.engine_ids)
+        return self.ranks.started
+
+    # the status queries, answered by ``self.ranks`` (``pool_status.RankQueries``)
+    def status(self, timeout_s: float = 5.0) -> list[RankStatus]:
+        """Per rank: host, pid, device, backend, memory in use, and idle, busy or dead."""
+        return self.ranks.status(timeout_s)
+
+    def dead_ranks(self) -> list[int]:
+        return self.ranks.dead_ranks()
+
+    def death_reason(self, rank: int, wait_s: float = 2.0) -> str:
+        return self.ranks.death_reason(rank, wait_s)
+
+    def host_of(self, rank: int) -> str:
+        return self.ranks.host_of(rank)
+
+    def slurm_jobs(self) -> list[str]:
+        return self.ranks.slurm_jobs()
 
     @property
     def world_size(self) -> int:
@@ -128,7 +164,8 @@ class Pool(RankQueries):
 
     @property
     def backend(self) -> str:
-        return self.ranks_info[0]["backend"] if self.ranks_info else (self.requested_backend or "")
+        info = self.ranks.ranks_info
+        return info[0]["backend"] if info else (self.requested_backend or "")
 
     def view(self, ranks: list[int] | None = None) -> ipp.DirectView:
         """A non-blocking DirectView on the given ranks (all by default), in rank order."""
@@ -168,7 +205,7 @@ class Pool(RankQueries):
         config = cluster_config(self.launcher, n, devices)
         if "config" in kwargs:
             config.merge(kwargs.pop("config"))
-        self.cluster = ipp.Cluster(
+        self.ranks.cluster = ipp.Cluster(
             n=n,
             engines=engine_launcher(self.launcher),
             controller_ip=self.launcher.controller_ip,
@@ -179,12 +216,12 @@ class Pool(RankQueries):
         await self.cluster.start_controller()
         await self._start_engines(n)  # engines boot (and import torch) while the controller starts
         self._arm_reaper()
-        self.client = await self.cluster.connect_client()
+        self.ranks.client = await self.cluster.connect_client()
         await self._bootstrap(n, set())
 
     async def _discard_cluster(self) -> None:
-        cluster, self.cluster, self.client = self.cluster, None, None
-        self.engine_ids, self.ranks_info, self._engine_sets = [], [], []
+        cluster, self.ranks.cluster, self.ranks.client = self.cluster, None, None
+        self.ranks.clear()
         if cluster is not None:
             with _quiet(cluster), contextlib.suppress(Exception):
                 await cluster.stop_cluster()
@@ -195,7 +232,7 @@ class Pool(RankQueries):
         ``CUDA_VISIBLE_DEVICES``, set by the forking launcher), remote ones pick theirs by
         ``local_rank``."""
         assert self.cluster is not None
-        self._engine_sets.append(await self.cluster.start_engines(n))
+        self.ranks.engine_sets.append(await self.cluster.start_engines(n))
 
     async def _wait_for_new_engines(self, n: int, old: set[int]) -> list[int]:
         assert self.client is not None
@@ -226,78 +263,23 @@ class Pool(RankQueries):
         return f"{self.cluster.profile_dir}/log" if self.cluster is not None else "the log"
 
     async def _bootstrap(self, n: int, old: set[int]) -> None:
-        """Assign ranks to the new engines (grouped by host) and create the process group."""
+        """Assign ranks to the new engines (grouped by host) and create the process group
+        (``world.py``); the rank table is filled before the group forms, as a failed group
+        still leaves engines to stop."""
         assert self.client is not None
         ids = await self._wait_for_new_engines(n, old)
-        idents = await asyncio.gather(
-            *(asyncio.wrap_future(self.client[e].apply_async(engine_calls.identify)) for e in ids)
-        )
-        check_versions(list(idents), notebook_versions())
-        await asyncio.gather(*(asyncio.wrap_future(self.client[e].apply_async(
-            engine_calls.set_environment, {POOL_ENV: self.pool_id})) for e in ids))
-        layout = assign_ranks(list(idents), ids)
-        self.engine_ids = [ids[i] for i in layout.order]
-        self.hosts = layout.hosts
-        mpi_ranks = [idents[i]["launcher_rank"] for i in layout.order
-                     if idents[i]["launcher"] == "mpi"]
-        self.ranks_info = await self._init_group(layout.local_ranks, layout.local_sizes,
-                                                 mpi_ranks)
-
-    async def _rendezvous(self, mpi_ranks: list[int]) -> tuple[str, int]:
-        """Rank 0's address and a free port: loopback when every rank is on one host. An MPI
-        pool takes it from MPI: every engine joins a broadcast from rank 0's MPI rank."""
-        assert self.client is not None
-        local = len(set(self.hosts)) <= 1
-        if len(mpi_ranks) == len(self.engine_ids):
-            views = [self.client[e] for e in self.engine_ids]
-            answers = await asyncio.gather(*(asyncio.wrap_future(
-                v.apply_async(engine_calls.mpi_rank_address, mpi_ranks[0], local))
-                for v in views))
-            return tuple(answers[0])  # type: ignore[return-value]
-        return tuple(await asyncio.wrap_future(  # type: ignore[return-value]
-            self.client[self.engine_ids[0]].apply_async(engine_calls.rank_address, local)))
-
-    async def _init_group(
-        self, local_ranks: list[int], local_sizes: list[int], mpi_ranks: list[int]
-    ) -> list[dict[str, Any]]:
-        assert self.client is not None
-        n = len(self.engine_ids)
-        addr, port = await self._rendezvous(mpi_ranks)
-        backend = self.requested_backend
-        futures = [
-            self.client[eid].apply_async(
-                engine_calls.start_rank,
-                r, n, addr, port, backend, self.collective_timeout_s, local_ranks[r],
-                local_sizes[r],
-            )
-            for r, eid in enumerate(self.engine_ids)
-        ]
-        try:
-            return list(
-                await asyncio.wait_for(
-                    asyncio.gather(*(asyncio.wrap_future(f) for f in futures)),
-                    timeout=self.start_timeout_s,
-                )
-            )
-        except Exception as e:
-            raise PoolError(f"initialising torch.distributed on {n} ranks failed: {e}") from e
+        layout, self.ranks.engine_ids, mpi_ranks = await lay_out(self.client, ids, self.pool_id)
+        self.ranks.hosts = layout.hosts
+        self.ranks.ranks_info = await init_group(
+            self.client, self.engine_ids, layout, mpi_ranks, self.requested_backend,
+            self.collective_timeout_s, self.start_timeout_s)
 
     async def reset_process_group_async(self) -> None:
         """Re-create the process group on every rank (after an interrupt, timeout or error)."""
         self._require_started()
         assert self.client is not None
-        _, port = await asyncio.wrap_future(
-            self.client[self.engine_ids[0]].apply_async(
-                engine_calls.rank_address, len(set(self.hosts)) <= 1
-            )
-        )
-        futures = [
-            asyncio.wrap_future(self.client[e].apply_async(engine_calls.recreate_group, port))
-            for e in self.engine_ids
-        ]
-        await asyncio.wait_for(
-            asyncio.gather(*futures), timeout=self.collective_timeout_s + self.start_timeout_s
-        )
+        await recreate_group(self.client, self.engine_ids, self.hosts,
+                             self.collective_timeout_s + self.start_timeout_s)
 
     async def restart_async(self) -> Pool:
         """Replace every engine with a fresh one and re-create the process group."""
@@ -308,14 +290,13 @@ class Pool(RankQueries):
         self.state.update("restarting", error=None, ranks=[])
         async with self._publishing():
             with _quiet(self.cluster):
-                for set_id in self._engine_sets:
+                for set_id in self.ranks.engine_sets:
                     try:
                         await self.cluster.stop_engines(set_id)
                     except Exception as e:  # an engine set whose engines all died already
                         log.debug("stopping engine set %s: %s", set_id, e)
-            self._engine_sets.clear()
-            self.engine_ids, self.ranks_info = [], []
-            self._remove_dead_spill()
+            self.ranks.clear()
+            remove_dead_spill(self.pool_id)
             await self._start_engines(n)
             self._arm_reaper()
             await self._bootstrap(n, old)
@@ -327,33 +308,9 @@ class Pool(RankQueries):
         """This pool's name among others on the host (its engines' spill folders carry it)."""
         return f"pool-{self.cluster.cluster_id}" if self.cluster is not None else "pool"
 
-    def _remove_dead_spill(self) -> None:
-        """Spill folders of this pool's ranks that died (a SIGKILL leaves them behind); other
-        pools' folders and live ranks' stay. The default or ``WORKBENCH_SPILL_DIR`` root."""
-        try:
-            removed = remove_stale(spill_root(), self.pool_id)
-        except OSError as e:  # cleaning up must never stop a restart
-            log.warning("removing the dead ranks' spill folders failed: %s", e)
-            return
-        if removed:
-            log.info("removed the spill folders of dead ranks: %s", removed)
-
     def _arm_reaper(self) -> None:
-        """Tell the reaper (``workbench.reaper``) what to stop should this process die: the
-        controller's and each engine set's process trees, Slurm jobs, this pool's spill."""
         assert self.cluster is not None
-        pids = []
-        for launcher in [self.cluster.controller, *self.cluster.engines.values()]:
-            proc = getattr(launcher, "process", None)
-            if isinstance(proc, psutil.Process):
-                with contextlib.suppress(psutil.Error):
-                    pids.append([proc.pid, proc.create_time()])
-        targets = {"pids": pids, "slurm_jobs": self.slurm_jobs(),
-                   "spill_root": str(spill_root()), "pool_id": self.pool_id}
-        try:
-            self._reaper.arm(targets, self._log_dir())
-        except OSError as e:  # the pool still works; only its cleanup after a crash is lost
-            log.warning("starting the pool's reaper failed: %s", e)
+        arm_reaper(self._reaper, self.cluster, self.slurm_jobs(), self.pool_id, self._log_dir())
 
     @contextlib.asynccontextmanager
     async def _publishing(self) -> Any:
@@ -367,10 +324,8 @@ class Pool(RankQueries):
 
     def publish_ranks(self, state: str | None = None, busy: frozenset[int] = frozenset(),
                       dead: frozenset[int] = frozenset()) -> None:
-        """Write the pool-state file with every rank's row (a no-op outside a kernel)."""
-        rows = [rank_row(self.ranks_info[r], r, e,
-                         "dead" if r in dead else "busy" if r in busy else "idle")
-                for r, e in enumerate(self.engine_ids) if r < len(self.ranks_info)]
+        """Publish every rank's row (a no-op outside a kernel)."""
+        rows = rank_rows(self.ranks.ranks_info, self.engine_ids, busy, dead)
         self.state.update(state, ranks=rows, world_size=self.world_size, backend=self.backend)
 
     async def stop_async(self) -> None:
@@ -388,8 +343,8 @@ class Pool(RankQueries):
             with _quiet(self.cluster):
                 await self.cluster.stop_cluster()
         finally:
-            self.cluster, self.client = None, None
-            self.engine_ids, self.ranks_info, self._engine_sets = [], [], []
+            self.ranks.cluster, self.ranks.client = None, None
+            self.ranks.clear()
             self._reaper.disarm()
             self.state.update("stopped", ranks=[], world_size=0, cell=None)
 
@@ -425,10 +380,7 @@ class Pool(RankQueries):
 
     # ---- status -----------------------------------------------------------------------
     def _require_started(self) -> None:
-        if not self.started:
-            raise PoolError(
-                "no pool is running: start one with `%colossal start` or Pool().start()"
-            )
+        self.ranks.require_started()
 
     def __repr__(self) -> str:
         if not self.started:

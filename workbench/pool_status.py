@@ -1,20 +1,23 @@
-"""What the pool can say about its ranks: dead or alive, why a dead one ended, and a status
-row per rank (host, ``local_rank``, pid, device, backend, memory, idle/busy/dead).
+"""The pool's table of ranks and what can be asked about it: dead or alive, why a dead one
+ended, and a status row per rank (host, ``local_rank``, pid, device, backend, memory,
+idle/busy/dead).
 
 Why apart from ``pool.py``: these are queries, not lifecycle; they read what the launcher
 knows (the local launcher's exit codes, the Slurm job's state) and what the ranks report.
-``RankQueries`` is mixed into ``Pool``, which provides ``client``, ``cluster``,
-``engine_ids``, ``ranks_info``, ``hosts``, ``launcher`` and ``_engine_sets``.
+A ``Pool`` holds one ``RankQueries`` (``pool.ranks``), which owns the state it reads: the
+rank table (engine ids, descriptions, hosts, engine sets) and the cluster and client the pool
+attaches while it runs.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from workbench import engine_calls
-from workbench.errors import describe_exit
+from workbench.errors import PoolError, describe_exit
 from workbench.forked_engines import exit_status
 from workbench.slurm import job_state
 
@@ -37,21 +40,43 @@ _COMPLETING_S = 8.0  # how long a Slurm job may stay COMPLETING before we say so
 
 
 class RankQueries:
-    """Status queries of a ``Pool`` (see the module doc)."""
+    """The rank table of a ``Pool`` and its status queries (see the module doc).
 
-    client: Any
-    cluster: Any
-    engine_ids: list[int]
-    ranks_info: list[dict[str, Any]]
-    hosts: list[str]
-    launcher: Any
-    _engine_sets: list[str]
+    ``publish(busy, dead)`` is called after every ``status()`` with the ranks it found busy
+    and dead, so the pool can publish its rows; the pool sets ``cluster`` and ``client`` while
+    it runs and fills the table when ranks join.
+    """
+
+    def __init__(self, launcher: Any,
+                 publish: Callable[[frozenset[int], frozenset[int]], None] | None = None) -> None:
+        self.launcher = launcher  # a workbench.launchers.LauncherSpec
+        self.publish = publish
+        self.cluster: Any = None  # ipp.Cluster while the pool runs
+        self.client: Any = None  # ipp.Client while the pool runs
+        self.engine_ids: list[int] = []  # index = rank
+        self.ranks_info: list[dict[str, Any]] = []  # RankSession.describe() per rank
+        self.hosts: list[str] = []  # per rank
+        self.engine_sets: list[str] = []  # ipyparallel engine-set ids, in start order
+
+    @property
+    def started(self) -> bool:
+        return self.client is not None and bool(self.engine_ids)
+
+    def require_started(self) -> None:
+        if not self.started:
+            raise PoolError(
+                "no pool is running: start one with `%colossal start` or Pool().start()"
+            )
+
+    def clear(self) -> None:
+        """Forget the ranks and engine sets (the cluster stopped or is being replaced)."""
+        self.engine_ids, self.ranks_info, self.engine_sets = [], [], []
 
     def slurm_jobs(self) -> list[str]:
         """Ids of the Slurm jobs holding this pool's engines (none for other launchers)."""
         if self.cluster is None or self.launcher.engines != "slurm":
             return []
-        sets = [self.cluster.engines.get(s) for s in self._engine_sets]
+        sets = [self.cluster.engines.get(s) for s in self.engine_sets]
         return [str(s.job_id) for s in sets if s is not None and getattr(s, "job_id", "")]
 
     def dead_ranks(self) -> list[int]:
@@ -107,8 +132,7 @@ class RankQueries:
 
     def status(self, timeout_s: float = 5.0) -> list[RankStatus]:
         """Per rank: host, pid, device, backend, memory in use, and idle, busy or dead."""
-        self._require_started()
-        assert self.client is not None
+        self.require_started()
         dead = set(self.dead_ranks())
         live = [e for r, e in enumerate(self.engine_ids) if r not in dead]
         queues = self.client.queue_status(targets=live, verbose=False) if live else {}
@@ -134,8 +158,8 @@ class RankQueries:
                     memory=info.get("memory", {}), local_rank=info.get("local_rank", 0),
                 )
             )
-        self.publish_ranks(busy=frozenset(r.rank for r in rows if r.state == "busy"),
-                           dead=frozenset(dead))
+        if self.publish is not None:
+            self.publish(frozenset(r.rank for r in rows if r.state == "busy"), frozenset(dead))
         return rows
 
 

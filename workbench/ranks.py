@@ -20,8 +20,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import workbench
 from workbench.errors import PoolError
+from workbench.version import __version__
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def visible_gpu_count() -> int:
 def notebook_versions() -> dict[str, str]:
     """Versions the engines must match (torch read from its metadata: the notebook side never
     imports torch)."""
-    versions = {"workbench": workbench.__version__}
+    versions = {"workbench": __version__}
     with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         versions["torch"] = importlib.metadata.version("torch")
     return versions

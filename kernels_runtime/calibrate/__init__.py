@@ -110,6 +110,6 @@ def _rank_entry(rank: int, world: int, kwargs: dict[str, Any]) -> dict[str, Any]
 
 def calibrate_ranks(world: int, timeout_s: float = 600.0, **kwargs: Any) -> list[dict[str, Any]]:
     """``measure`` on ``world`` fresh local ranks (``run_ranks``): one record per rank."""
-    from kernels_runtime.launch import run_ranks
+    from kernels_runtime.testing import run_ranks
 
     return run_ranks(_rank_entry, world, kwargs, timeout_s=timeout_s)

@@ -4,7 +4,7 @@ The plan tuner's "Measure" button and ``python -m bench planner`` both need what
 is checked against: step time and peak memory of an actual run of the plan. A trial builds the
 model from the same shape description the cost model reads (random weights, a Hugging Face
 GPT-2 or LLaMA-family model), parallelizes it with the plan, runs warm-up and timed steps on
-random tokens, and measures memory the way a CPU can (module docstring of ``bench.planner``):
+random tokens, and measures memory the way a CPU can (module docstring of ``bench.planner.run``):
 model states from ``BoostedOptimizer.memory_breakdown()`` plus the bytes autograd keeps for
 backward during one micro-batch. Collective: every rank of the default group calls it.
 

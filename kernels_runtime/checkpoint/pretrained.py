@@ -34,11 +34,11 @@ from kernels_runtime.api import parallelize, parallelize_model
 from kernels_runtime.checkpoint.agreement import agree, attempt
 from kernels_runtime.checkpoint.format import CheckpointError
 from kernels_runtime.comm import Collectives
+from kernels_runtime.deferred_params import deferred_parameters, mark_to_be_loaded
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.plan import Plan
 from kernels_runtime.optim import PARAM, BoostedOptimizer, StatePiece
 from kernels_runtime.parallel.state import parallel_state
-from kernels_runtime.policies.deferred import deferred_parameters, mark_to_be_loaded
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

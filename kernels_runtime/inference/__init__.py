@@ -15,8 +15,7 @@ model, pipeline stages included), ``adapters`` (LoRA adapters mixed in one batch
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kernels_runtime._lazy import lazy_module as _lazy_module
 
 _PUBLIC = {  # loaded on first use (PEP 562): the torch-free modules stay importable alone
     "Engine": "kernels_runtime.inference.engine",
@@ -26,11 +25,4 @@ _PUBLIC = {  # loaded on first use (PEP 562): the torch-free modules stay import
 }
 __all__ = sorted(_PUBLIC)
 
-
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kernels_runtime.inference' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = _lazy_module(_PUBLIC, globals())

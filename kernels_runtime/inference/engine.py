@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels_runtime.byte_sizes import human_bytes, parse_bytes
 from kernels_runtime.inference.adapters import AdapterSet
 from kernels_runtime.inference.attention import PagedLayer, install
 from kernels_runtime.inference.batch import build_batch
@@ -49,7 +50,6 @@ from kernels_runtime.inference.scheduler import ScheduledStep, Scheduler
 from kernels_runtime.inference.sequence import Sequence
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.plan import Plan, PlanError
-from kernels_runtime.mesh.sizes import human_bytes, parse_bytes
 from kernels_runtime.parallel.state import parallel_state
 from kernels_runtime.policies import find_module
 from kernels_runtime.precision import compute_dtype

@@ -59,7 +59,7 @@ def check_fits(n_prompt: int, params: SamplingParams, max_model_len: int, block_
                            f"{max_model_len - n_prompt}")
     blocks = -(-(total - 1) // block_size)  # the last token is never cached
     if blocks > num_blocks:
-        from kernels_runtime.mesh.sizes import human_bytes
+        from kernels_runtime.byte_sizes import human_bytes
 
         raise RequestError(f"this request can hold up to {total - 1} tokens in the KV cache, "
                            f"{blocks} blocks of {block_size}, but the cache has {num_blocks} "

@@ -10,4 +10,4 @@ evicts what is used furthest in the future (``placement.py``), gathered and redu
 unit's forward and backward (``chunk_sync.py``) and stepped chunk by chunk on the tier they live
 on (``chunk_step.py``; a disk chunk's step at its next use, ``deferred_step.py``; what a
 micro-batch keeps for backward reserved, ``activation_reserve.py``). A model built under
-``deferred_parameters()`` is materialized here, one unit at a time (``policies/deferred.py``)."""
+``deferred_parameters()`` is materialized here, one unit at a time (``deferred_params.py``)."""

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from kernels_runtime.deferred_params import materialize, move_real, to_be_loaded
 from kernels_runtime.memory.activation_reserve import ActivationReserve
 from kernels_runtime.memory.chunk_grads import ChunkReducer
 from kernels_runtime.memory.chunk_placement import place_static, predicted_trace, set_floors
@@ -54,7 +55,6 @@ from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.shards import ParamLayout
 from kernels_runtime.optim import GradShard, GradSync, StatePiece
 from kernels_runtime.parallel.data.zero import shard_over_dp
-from kernels_runtime.policies.deferred import materialize, move_real, to_be_loaded
 
 
 class ChunkGradSync(GradSync):
@@ -148,7 +148,7 @@ class ChunkGradSync(GradSync):
 
     def _materialize(self, u: int) -> None:
         """A deferred unit's parameters get storage and their initial values now; the chunks
-        built before it already went to their tiers (``policies/deferred.py``)."""
+        built before it already went to their tiers (``deferred_params.py``)."""
         if self.param and self.placer.mode == "auto":
             self.placer.enforce()  # the units built so far leave the room they must
         self._materialized.add(u)

@@ -24,12 +24,10 @@ import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from kernels_runtime.memory.tiers import Payload, Tier
+from kernels_runtime.memory.payload import Payload, Tier
 
 WRITE_BEHIND_BYTES = 64 * 2**20  # the most spilled bytes still held in memory while written
 
@@ -91,8 +89,6 @@ class DiskTraffic:
 
     def prefetch(self, payload: Payload) -> None:
         """Start reading a disk payload back into host memory (no wait)."""
-        from kernels_runtime.memory.tiers import Tier
-
         if payload.tier != Tier.DISK or payload.key in self._reads:
             return
         if payload.key in self._writes:  # still in memory: the fetch will reuse it
@@ -105,8 +101,6 @@ class DiskTraffic:
         """The host memory holding a disk payload's values and the bytes read from disk for
         it; ``fill=False`` (the caller overwrites every value): no read, and None unless memory
         is at hand already (a write-behind's, or a read-ahead's once it completed)."""
-        from kernels_runtime.memory.tiers import Tier
-
         written = self._writes.pop(payload.key, None)
         if written is not None:  # write-behind not collected yet: its memory still holds it
             self._collect(written)
@@ -133,8 +127,6 @@ class DiskTraffic:
         return freed
 
     def _let_go(self, read: tuple[Future, torch.Tensor]) -> int:
-        from kernels_runtime.memory.tiers import Tier
-
         future, buffer = read
         if not future.cancel():  # running: its buffer is being filled, let it finish
             with contextlib.suppress(OSError):
@@ -175,8 +167,6 @@ class DiskTraffic:
             raise
 
     def _restore(self, host: torch.Tensor, payload: Payload) -> None:
-        from kernels_runtime.memory.tiers import Tier
-
         payload.copy_on_disk = False
         if self.disk.contains(payload.key):  # a failed write in place removed its file
             self._files[payload.key] = self.disk.nbytes(payload.key)

@@ -18,13 +18,13 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import nn
 
+from kernels_runtime.byte_sizes import format_bytes
 from kernels_runtime.comm.accelerator import Accelerator
 from kernels_runtime.memory.chunk_sync import ChunkGradSync
 from kernels_runtime.memory.disk import DiskStore
 from kernels_runtime.memory.host_malloc import return_freed_memory
 from kernels_runtime.memory.spill import SpillDir, spill_root
 from kernels_runtime.memory.tiers import TierStore
-from kernels_runtime.mesh.sizes import format_bytes
 from kernels_runtime.parallel.state import ParallelState
 
 

@@ -20,8 +20,8 @@ import bisect
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
+from kernels_runtime.byte_sizes import human_bytes
 from kernels_runtime.memory.tiers import Payload, Tier, TierStore
-from kernels_runtime.mesh.sizes import human_bytes
 
 
 class BudgetError(RuntimeError):

@@ -20,10 +20,8 @@ buffers (and, on a host-only machine, device ones) are allocated aligned for dir
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -31,34 +29,9 @@ from kernels_runtime.comm.accelerator import Accelerator
 from kernels_runtime.memory.buffer_pool import BufferPool, sole_owner
 from kernels_runtime.memory.disk_io import aligned_empty
 from kernels_runtime.memory.disk_traffic import DiskTraffic
+from kernels_runtime.memory.payload import Payload, Tier
 
 HOST_POOL_BYTES = 64 * 2**20  # freed host buffers kept for reuse (a host-only machine)
-
-
-class Tier(enum.IntEnum):
-    DEVICE = 0
-    HOST = 1
-    DISK = 2
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
-
-
-@dataclass(eq=False)
-class Payload:
-    key: str
-    numel: int
-    dtype: torch.dtype
-    handle: torch.Tensor = field(repr=False)
-    tier: Tier = Tier.DEVICE
-    persistent: bool = True  # model state (False: a transient working buffer)
-    copy_on_disk: bool = False  # its spill file holds its current values (``disk_traffic.py``)
-    viewed: bool = False  # parameters are views of it: autograd may hold its memory
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
 
 class TierStore:

@@ -14,16 +14,17 @@ import difflib
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from kernels_runtime.mesh.sizes import format_bytes, parse_bytes
+from kernels_runtime.byte_sizes import format_bytes, parse_bytes
 
-TP_MODES = ("1d", "2d", "2.5d")
-SP_MODES = ("none", "split_gather", "all_to_all", "ring")
-PRECISIONS = ("fp32", "bf16", "fp16")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
-OFFLOADS = ("none", "auto", "static")
-AXES = ("dp", "pp", "sp", "tp")  # mesh axis order, outermost first
-SIZE_FIELDS = ("device_mem", "host_mem")
-FRACTION_FIELDS = ("offload_params", "offload_grads", "offload_optim")
+# the fields' vocabulary lives in plan_fields.py (validation.py reads it without importing
+# this module); every name is re-exported here, where users import it from
+from kernels_runtime.mesh.plan_fields import AXES as AXES
+from kernels_runtime.mesh.plan_fields import FRACTION_FIELDS, SIZE_FIELDS, PlanError
+from kernels_runtime.mesh.plan_fields import OFFLOADS as OFFLOADS
+from kernels_runtime.mesh.plan_fields import PP_SCHEDULES as PP_SCHEDULES
+from kernels_runtime.mesh.plan_fields import PRECISIONS as PRECISIONS
+from kernels_runtime.mesh.plan_fields import SP_MODES as SP_MODES
+from kernels_runtime.mesh.plan_fields import TP_MODES as TP_MODES
 
 _ALIASES = {
     "zero": "zero_stage",
@@ -42,10 +43,6 @@ _FLAGS = {
     "ckpt": ("activation_checkpointing", True),
     "activation_checkpointing": ("activation_checkpointing", True),
 }
-
-
-class PlanError(ValueError):
-    """An impossible plan: the message names the field and a way to fix it."""
 
 
 @dataclass(frozen=True)

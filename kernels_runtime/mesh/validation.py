@@ -8,9 +8,10 @@ config object or a dict with the usual names.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kernels_runtime.mesh.plan import (
+from kernels_runtime.byte_sizes import format_bytes
+from kernels_runtime.mesh.plan_fields import (
     FRACTION_FIELDS,
     OFFLOADS,
     PP_SCHEDULES,
@@ -18,10 +19,11 @@ from kernels_runtime.mesh.plan import (
     SIZE_FIELDS,
     SP_MODES,
     TP_MODES,
-    Plan,
     PlanError,
 )
-from kernels_runtime.mesh.sizes import format_bytes
+
+if TYPE_CHECKING:  # annotations only: plan.py calls into this module
+    from kernels_runtime.mesh.plan import Plan
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

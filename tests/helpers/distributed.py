@@ -9,8 +9,8 @@ session's: rerunning a plan reuses its process groups instead of piling up new o
 from __future__ import annotations
 
 from kernels_runtime.comm import Collectives
-from kernels_runtime.launch import RankPool, RanksFailedError, run_ranks
 from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.testing import RankPool, RanksFailedError, run_ranks
 
 __all__ = ["RankPool", "RanksFailedError", "context", "process_comm", "run_ranks"]
 

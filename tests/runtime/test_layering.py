@@ -21,11 +21,11 @@ import kernels_runtime
 ROOT = Path(kernels_runtime.__file__).parent
 # bottom to top; a module may import its own package and any lower layer, nothing else
 LAYERS: list[tuple[str, ...]] = [
-    ("telemetry", "user_cache"),
+    ("telemetry", "user_cache", "byte_sizes", "_lazy"),
     ("comm",),
     ("launcher_env",),
     ("mesh",),
-    ("precision", "data", "session", "launch"),
+    ("precision", "data", "session", "testing", "deferred_params"),
     ("policies",),
     ("optim",),
     ("parallel",),

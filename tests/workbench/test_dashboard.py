@@ -149,7 +149,7 @@ def test_dashboard_modes_decide_when_it_is_shown() -> None:
         clock[0] = 2.5
         live({0: _snapshot(2, 0)}, False)
         assert len(shown[mode]) == (0 if mode == "off" else 1), mode
-        assert live.history.has_data  # kept in every mode, for workbench.dashboard()
+        assert live.history.has_data  # kept in every mode, for workbench.show_dashboard()
     quick = LiveDashboard([0], display=shown["auto"].append, clock=lambda: clock[0])
     quick({0: {}}, True)  # a cell that published nothing is never shown
     assert len(shown["auto"]) == 1
@@ -231,7 +231,7 @@ def test_dashboard_figures_equal_the_runtime_counters(shell, tmp_path, capsys) -
         assert seconds["compute"] + seconds["comm"] + seconds["waiting"] == pytest.approx(
             seconds["step"], rel=1e-9)
 
-    data = trace_data(workbench.dashboard().figure)
+    data = trace_data(workbench.show_dashboard().figure)
     dp_bytes = sum(c["bytes"] for _, stats in counters for c in
                    (groups["dp"] for groups in stats.values() if "dp" in groups))
     assert dp_bytes > 0 and data["comm: dp"][1][-1] == dp_bytes
@@ -241,13 +241,13 @@ def test_dashboard_figures_equal_the_runtime_counters(shell, tmp_path, capsys) -
         assert data[name] == (labels, [p["memory"][key] for p, _ in counters])
     for part in ("compute", "comm", "waiting"):
         assert data[f"time: {part}"][1] == [p["seconds"][part] for p, _ in counters]
-    assert workbench.dashboard().stage_figure is None  # no pipeline ran
+    assert workbench.show_dashboard().stage_figure is None  # no pipeline ran
     assert not [name for name in data if name.startswith(("stage:", "p2p:"))]
     for rank, (published, _) in enumerate(counters):
         tokens_per_s = data[f"tokens/s: rank {rank}"][1][-1]
         assert tokens_per_s == published["throughput"]["tokens_per_s"] > 0
 
-    report = workbench.dashboard().to_html(tmp_path / "report.html")
+    report = workbench.show_dashboard().to_html(tmp_path / "report.html")
     assert report_traces(report) == data  # the standalone report holds the same data
 
 
@@ -324,7 +324,7 @@ def test_stage_timeline_appears_while_a_pipeline_cell_runs(shell, tmp_path) -> N
     assert list(fig.layout.yaxis.categoryarray) == ["rank 0 · stage 0", "rank 1 · stage 1"]
     fresh = build_stage_figure(history, widget=False)  # what the report and the lab page draw
     assert [(t.name, t.y, t.base) for t in fresh.data] == [(t.name, t.y, t.base) for t in fig.data]
-    report = workbench.dashboard(history).to_html(tmp_path / "pipeline.html").read_text()
+    report = workbench.show_dashboard(history).to_html(tmp_path / "pipeline.html").read_text()
     assert report.count("Plotly.newPlot") == 2 and "pipeline stages" in report
 
     data = trace_data(live.view.figure)
@@ -382,12 +382,12 @@ def test_offload_panel_joins_while_an_offloading_cell_runs(shell, tmp_path) -> N
         assert expected == pytest.approx(sum(step["moved"].get(pair, 0) for step in last),
                                          rel=0.25)
     assert data["evictions"][1][-1] == sum(step["evictions"] for step in last) > 0
-    report = workbench.dashboard(live.history).to_html(tmp_path / "offload.html").read_text()
+    report = workbench.show_dashboard(live.history).to_html(tmp_path / "offload.html").read_text()
     assert report.count("Plotly.newPlot") == 2 and "model state per tier" in report
 
     # a later cell without offload: the ranks' counters stand still, so no panel
     shell.run_cell_magic("colossal", '--plan "dp=2" --no-dashboard',
                          SETUP + "for step in range(4):\n    train_step(model, opt, batch(step))\n"
                                  "    time.sleep(0.2)\n")
-    assert workbench.dashboard().history.latest[0]["offload"] == counters[0][0]["offload"]
-    assert workbench.dashboard().offload_figure is None
+    assert workbench.show_dashboard().history.latest[0]["offload"] == counters[0][0]["offload"]
+    assert workbench.show_dashboard().offload_figure is None

@@ -242,7 +242,7 @@ def test_inference_panel_joins_while_an_engine_generates(shell, tmp_path) -> Non
     assert max(waiting) > 0 and waiting[-1] == 0  # 8 requests queued for 4 seats, all served
     assert max(data["queue: running"][1]) <= 4  # max_num_seqs of the one replica, not 8
     assert f"{stats['preemptions']:,} preemptions" in live.view.inference_figure.layout.title.text
-    report = workbench.dashboard(live.history).to_html(tmp_path / "engine.html")
+    report = workbench.show_dashboard(live.history).to_html(tmp_path / "engine.html")
     assert report_traces(report) == trace_data(live.view.figure)  # the main figure first
 
 
@@ -259,7 +259,7 @@ def test_remote_engine_leaves_the_panel_of_both_replicas(shell) -> None:
     figures = active_pool(shell).view([0, 1]).apply_sync(_engine_figures)
     assert [s["replica"] for _, s in figures] == [0, 1]
     assert all(s["leader"] for _, s in figures)
-    data = trace_data(workbench.dashboard(llm.last_run).inference_figure)
+    data = trace_data(workbench.show_dashboard(llm.last_run).inference_figure)
     assert data["KV blocks: used (unshared)"][0] == ["replica 0", "replica 1"]
     assert data["KV blocks: free"][1] == [s["blocks_free"] for _, s in figures]
     assert data["generated tokens/s: all replicas"][1][-1] == pytest.approx(sum(

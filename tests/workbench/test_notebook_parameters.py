@@ -72,14 +72,14 @@ def test_the_exported_script_runs_rank_cells_under_from_env_and_leaves_the_noteb
                  nbformat.v4.new_code_cell('%%colossal --plan "dp=2 zero=1" --push STEPS\n'
                                            "total = STEPS + rank"),
                  nbformat.v4.new_code_cell("%%colossal --targets 0 --pull total\nprint(total)"),
-                 nbformat.v4.new_code_cell("import workbench\nworkbench.dashboard()")]
+                 nbformat.v4.new_code_cell("import workbench\nworkbench.show_dashboard()")]
     script = export_script(nb, "nb.ipynb", "nb.py")
     compile(script, "nb.py", "exec")
     assert "session = RankSession.from_env()" in script
     assert "plan = Plan.parse('dp=2 zero=1').validate(world_size)\nsession.plan = plan\n" \
            "total = STEPS + rank" in script
     assert "if rank in (0,):\n    print(total)" in script
-    assert "# %colossal start -n 2" in script and "# workbench.dashboard()" in script
+    assert "# %colossal start -n 2" in script and "# workbench.show_dashboard()" in script
 
 
 def _losses(text: str) -> dict[int, float]:

@@ -331,7 +331,7 @@ def test_megatron_table1_throughput_within_band():
     """Predicted TFLOP/s per GPU for Narayanan et al. 2021 Table 1 (pipeline size 1) on the
     A100 data-sheet profile: 0.96-1.01x of the published figures when written; the band
     asserted is +-10%. Nothing was tuned to these rows."""
-    from bench.planner_megatron import TABLE1, iteration_flops, table_rows
+    from bench.planner.megatron import TABLE1, iteration_flops, table_rows
 
     assert iteration_flops(TABLE1[0]) / 1e15 == pytest.approx(
         96 * 512 * 2048 * 24 * 2304**2 * (1 + 2048 / (6 * 2304) + 51200 / (16 * 24 * 2304))
@@ -502,7 +502,7 @@ def test_tesseract_projection():
     2.5D (4x4x4) over 1D 11.2x on either node size (paper 1.38x), over 2D 0.82x with 8 GPUs
     per node and 3.46x with 4 (paper 1.53x). Protected: the plans fit 80 GB and 2.5D's lead
     over 2D appears only when 2D's rows leave the node."""
-    from bench.planner_tesseract import speedups
+    from bench.planner.tesseract import speedups
 
     runs, eight = speedups(8)
     _, four = speedups(4)

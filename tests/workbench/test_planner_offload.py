@@ -19,7 +19,7 @@ import pytest
 from kernels_runtime.mesh.plan import Plan, PlanError
 from workbench.planner import PROFILES, ModelSpec, NoPlanFitsError, predict, recommend
 from workbench.planner.hardware import HOST_ADAM_BYTES_PER_ELEMENT
-from workbench.planner.offload import Layout
+from workbench.planner.offload import Layout, layout
 
 from helpers.distributed import run_ranks
 
@@ -71,7 +71,7 @@ def test_static_host_budget_then_disk_by_hand():
 def test_auto_keeps_state_under_device_mem_and_spills_beyond_host_mem():
     budget, host = 256 * 2**10, 64 * 2**10
     p = predict(f"dp=1 zero=2 offload=auto device_mem={budget} host_mem={host}", TINY, "H100")
-    lay = p.setting.offload_layout
+    lay = layout(p.setting)
     f = lay.fractions["params"]
     assert 0 < f < 1 and lay.device_need() <= budget
     assert Layout(p.setting, dict.fromkeys(lay.fractions, f - 1 / 64)).device_need() > budget
@@ -104,12 +104,12 @@ def test_bytes_moved_per_step_and_their_seconds():
     assert p2[("host", "device")] == 2 * (fwd + bwd) + grads + publish
     # disk: masters and states read and written once per step
     d = predict("dp=1 zero=2 offload=static offload_optim=1 host_mem=0", TINY, "H100")
-    links = d.setting.offload_layout.link_bytes()
+    links = layout(d.setting).link_bytes()
     assert links["disk_read"] == links["disk_write"] == 12 * PSI
     # everything on disk: a parameter is read for its backward only (the deferred step's
     # publish feeds the forward) and written once, after the step; gradients once each way
-    e = predict("dp=1 zero=2 offload=static offload_params=1 offload_grads=1 offload_optim=1 "
-                "host_mem=0", TINY, "H100").setting.offload_layout.link_bytes()
+    e = layout(predict("dp=1 zero=2 offload=static offload_params=1 offload_grads=1 "
+                       "offload_optim=1 host_mem=0", TINY, "H100").setting).link_bytes()
     assert e["disk_read"] == 4 * (PSI + TOKEN) + 4 * PSI + 12 * PSI
     assert e["disk_write"] == 4 * PSI + 4 * PSI + 12 * PSI
     assert d.step_time > predict("dp=1 zero=2 offload=static offload_optim=1", TINY,

@@ -105,14 +105,14 @@ def test_a_timeout_that_is_not_a_positive_number_is_a_400(timeout):
 
 
 def test_the_server_and_the_cli_refuse_a_timeout_that_is_not_positive():
-    from workbench.serving.cli import _seconds
+    from workbench.serving.options import seconds
     from workbench.serving.server import Server
 
     with pytest.raises(ValueError, match="request_timeout_s must be"):
         Server(None, "tiny", request_timeout_s=0)
     for bad in ("0", "-3", "soon", "inf", "nan"):
         with pytest.raises(argparse.ArgumentTypeError, match="seconds > 0"):
-            _seconds(bad)
+            seconds(bad)
     assert _seconds("2.5") == 2.5
 
 

@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from bench.serving_soak import rss, settled, start_serve, stop_serve
+from bench.serving.soak import rss, settled, start_serve, stop_serve
 
 pytestmark = [pytest.mark.full, pytest.mark.engines]  # the real model on 4 ranks, ~1-2 min
 

@@ -2,21 +2,24 @@
 pipeline's stage timeline, an offloading model's state per tier and traffic between tiers, and
 an inference engine's generated tokens/s, queue and KV blocks.
 
-``%%colossal`` feeds a ``LiveDashboard`` from its waiting loop; ``workbench.dashboard()``
+``%%colossal`` feeds a ``LiveDashboard`` from its waiting loop; ``workbench.show_dashboard()``
 shows the last run afterwards and ``.to_html(path)`` writes a standalone report. plotly is
 imported only when a figure is first built.
+
+This package draws; it does not know which cell ran last. Finding the last run belongs to
+the magics (``workbench.show_dashboard`` asks them), so nothing here imports the layer that
+feeds it, and ``workbench.dashboard`` stays this package, not a function shadowing it.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 from workbench.dashboard.history import RunHistory
 from workbench.dashboard.live import LiveDashboard
 from workbench.dashboard.view import Dashboard
 
-__all__ = ["Dashboard", "LiveDashboard", "RunHistory", "dashboard", "preload"]
+__all__ = ["Dashboard", "LiveDashboard", "RunHistory", "preload"]
 
 
 def preload() -> threading.Thread:
@@ -35,20 +38,3 @@ def preload() -> threading.Thread:
     thread = threading.Thread(target=work, name="workbench-dashboard-preload", daemon=True)
     thread.start()
     return thread
-
-
-def dashboard(run: RunHistory | LiveDashboard | None = None, shell: Any = None) -> Dashboard:
-    """The dashboard of ``run``, by default the last ``%%colossal`` cell of this session.
-
-    Display it (last expression of a cell) for the interactive figure, or write a report with
-    ``workbench.dashboard().to_html("reports/run.html")``."""
-    if isinstance(run, LiveDashboard):
-        run = run.history
-    if run is None:
-        from workbench.magics import active_magics
-
-        magics = active_magics(shell)
-        run = magics.last_run if magics is not None else None
-        if run is None:
-            raise ValueError("no %%colossal cell has run in this session yet")
-    return Dashboard(run)

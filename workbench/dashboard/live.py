@@ -6,7 +6,7 @@ browser while the cell is still busy (kernel-to-browser messages are not held ba
 kernel; see NOTES.md). Modes: ``"auto"`` shows the figure once the cell has run for
 ``show_after_s`` and some rank has published telemetry (quick cells stay uncluttered), ``"on"``
 shows it from the start, ``"off"`` never shows it. The history is kept in every mode, for
-``workbench.dashboard()`` after the run.
+``workbench.show_dashboard()`` after the run.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class LiveDashboard:
             return
         if self.view is None:
             # Only a running cell gets a new figure: a cell that has just ended (or was
-            # interrupted) must return at once; workbench.dashboard() shows it afterwards.
+            # interrupted) must return at once; workbench.show_dashboard() shows it afterwards.
             if not final and self.history.has_data and self.history.elapsed >= self.show_after_s:
                 self._show()
         elif changed:

@@ -1,6 +1,6 @@
 """JupyterLab integration: the server extension behind the "Colossal" sidebar.
 
-Two halves meet in files: kernels write pool-state files (``state.py``, imported by the pool),
+Two halves meet in files: kernels write pool-state files (``state.py``, the pools' publisher),
 and the server extension (``handlers.py``) lists them, serves a live dashboard page and runs
 ``%colossal start|stop|restart`` in the owning kernel. The frontend (TypeScript in
 ``extension/``) is shipped prebuilt in the wheel under ``share/jupyter/labextensions``, and

@@ -21,8 +21,8 @@ when nothing serves. Writes during a cell or while serving are rate-limited
 (``min_interval_s``, 0.5 s) so a long training loop costs the kernel next to nothing.
 
 Files of dead processes (pid gone on this host) are stale: ``read_pools`` deletes them.
-This module imports neither torch nor jupyter_server: the kernel imports it with the pool and
-the server extension imports it to list pools.
+This module imports neither torch nor jupyter_server: the kernel imports it (``workbench``
+registers it as the pools' publisher) and the server extension imports it to list pools.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ from workbench.dashboard.history import RunHistory, collective_bytes
 from workbench.dashboard.inference import inference_layout, inference_traces
 from workbench.dashboard.offload import offload_layout, offload_traces
 from workbench.dashboard.timeline import stage_axes, stage_title, stage_traces
+from workbench.pool_state import rank_row as rank_row  # re-exported: the file's rank rows
+from workbench.pool_state import tiers as _tiers
 
 log = logging.getLogger("workbench.lab.state")
 
@@ -75,25 +77,6 @@ def current_kernel_id() -> str | None:
         return None
     match = _KERNEL_FILE.fullmatch(name)
     return match.group("id") if match else None
-
-
-def _tiers(memory: dict[str, Any]) -> dict[str, int]:
-    """Runtime memory counters -> bytes per tier (device / host / disk)."""
-    return {
-        "device": int(memory.get("device_allocated", 0) or 0),
-        "host": int(memory.get("host_rss", 0) or 0),
-        "disk": int(memory.get("disk_spill", 0) or 0),
-    }
-
-
-def rank_row(info: dict[str, Any], rank: int, engine_id: int, state: str) -> dict[str, Any]:
-    """One rank of the file, from ``RankSession.describe()`` output."""
-    return {
-        "rank": rank, "engine_id": engine_id, "host": info.get("host", ""),
-        "pid": info.get("pid"), "device": info.get("device", ""),
-        "backend": info.get("backend", ""), "state": state,
-        "memory": _tiers(info.get("memory", {})),
-    }
 
 
 def _cell_block(history: RunHistory, running: bool) -> dict[str, Any]:
@@ -161,6 +144,9 @@ def _panel_block(history: RunHistory, traces: Callable[..., dict[str, dict[str, 
 
 class PoolStateFile:
     """The kernel side: keeps one pool's document and writes it on every change.
+
+    It is the pool's ``workbench.pool_state.StatePublisher`` (registered by
+    ``workbench/__init__.py``), so neither the pool nor the cell runner imports this module.
 
     Never raises: a full disk or a read-only runtime dir must not fail a pool or a cell.
     ``enabled=None`` publishes only inside a Jupyter kernel (scripts and tests stay quiet).

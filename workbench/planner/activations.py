@@ -8,7 +8,7 @@ split by tp), 2 bytes of dropout masks, and per head the softmax output and its 
 attention (``sdpa``) keeps no ``s x s`` scores but q/k/v, its output and an fp32 log-sum-exp;
 GPT-2's tanh GELU keeps four ``4h``-wide intermediates. So the counts are an
 ``ActivationProfile``, with the paper's as the default and profiles for what transformers'
-GPT-2 keeps (measured with ``saved_tensors_hooks``, see ``bench/planner.py``).
+GPT-2 keeps (measured with ``saved_tensors_hooks``, see ``bench/planner/run.py``).
 
 Full recomputation (activation checkpointing) keeps each layer's input, ``2*s*b*h`` bytes in
 16-bit, and during backward one layer's activations at a time.

@@ -4,7 +4,7 @@ The micro-benchmarks live engine-side (``kernels_runtime.calibrate``); this modu
 them and turns the per-rank records into a profile. ``calibrate(pool)`` goes through the pool's
 DirectView like any other engine call, so the notebook never touches torch.distributed.
 ``calibrate_ranks(world)`` is for scripts, tests and benchmarks without a pool: it spawns local
-ranks with ``kernels_runtime.launch.run_ranks`` (imported only when called).
+ranks with ``kernels_runtime.testing.run_ranks`` (imported only when called).
 """
 
 from __future__ import annotations

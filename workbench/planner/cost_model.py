@@ -106,7 +106,7 @@ class Prediction:
         """Offload: bytes moved per step between tiers, (from, to); empty without offload."""
         if self.plan.offload == "none":
             return {}
-        return dict(self.setting.offload_layout.moved)
+        return dict(offload.layout(self.setting).moved)
 
     # ---- time -----------------------------------------------------------------------------
     def seconds(self, kind: str, phase: str | None = None) -> float:

@@ -59,8 +59,8 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
+from kernels_runtime.byte_sizes import human_bytes
 from kernels_runtime.mesh.plan import PlanError
-from kernels_runtime.mesh.sizes import human_bytes
 from workbench.planner.setting import TIERS, MemoryItem, Setting, TimeItem
 
 CHUNK_MB = 32.0  # ParallelState.chunk_mb
@@ -325,11 +325,19 @@ class Layout:
 # ---- the terms cost_model calls ------------------------------------------------------------
 def layout(st: Setting) -> Layout:
     """The plan's layout: its static fractions, or under auto the least uniform fraction that
-    fits ``device_mem`` (``auto_fraction``)."""
-    if st.plan.offload == "auto":
-        f = auto_fraction(st)
-        return Layout(st, {"params": f, "grads": f, "optim": f})
-    return Layout(st)
+    fits ``device_mem`` (``auto_fraction``). Built once per setting and kept in the setting's
+    ``__dict__`` (as ``functools.cached_property`` would): the memory and time terms both read
+    it, and ``offload=auto`` searches for its fraction. It lives here, not as a property of
+    ``Setting``, so that ``setting.py`` need not import this module, which imports it."""
+    cached = st.__dict__.get("_offload_layout")
+    if cached is None:
+        if st.plan.offload == "auto":
+            f = auto_fraction(st)
+            cached = Layout(st, {"params": f, "grads": f, "optim": f})
+        else:
+            cached = Layout(st)
+        st.__dict__["_offload_layout"] = cached  # a frozen dataclass still has a __dict__
+    return cached
 
 
 def auto_fraction(st: Setting) -> float:
@@ -363,7 +371,7 @@ def auto_fraction(st: Setting) -> float:
 
 def model_states(st: Setting) -> list[MemoryItem]:
     """Replaces ``memory.model_states`` and ``memory.buffers`` under offload."""
-    return st.offload_layout.items()
+    return layout(st).items()
 
 
 def check_rates(st: Setting, lay: Layout) -> None:
@@ -388,7 +396,7 @@ def transfer_seconds(st: Setting, links: dict[str, float]) -> float:
 def offload_time(st: Setting) -> list[TimeItem]:
     """Exposed movement in forward and backward, and the step's movement and host Adam: see the
     module docstring for what overlaps."""
-    lay = st.offload_layout
+    lay = layout(st)
     check_rates(st, lay)
     train, step = lay.link_bytes("train"), lay.link_bytes("step")
     host_adam = lay.host_elements / st.hw.host_adam_rate if lay.host_elements else 0.0
@@ -407,7 +415,7 @@ def offload_time(st: Setting) -> list[TimeItem]:
 
 def device_optimizer(st: Setting) -> list[TimeItem]:
     """Replaces ``timing.optimizer`` under offload: Adam on device-homed masters only."""
-    elems = st.offload_layout.device_elements
+    elems = layout(st).device_elements
     return [TimeItem("optimizer step", "optimizer", elems / st.hw.adam_rate
                      + (4 * elems if st.elem != 4 else 0.0)
                      / st.hw.elementwise_bandwidth["fp32"])]

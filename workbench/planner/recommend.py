@@ -26,6 +26,7 @@ from workbench.planner.activations import profile_for
 from workbench.planner.cost_model import Prediction, plan_label, predict
 from workbench.planner.grid import grid_shapes
 from workbench.planner.hardware import HardwareProfile, get_profile
+from workbench.planner.offload import layout as offload_layout
 from workbench.planner.offload_search import offload_plans
 from workbench.planner.spec import ModelSpec
 
@@ -168,7 +169,7 @@ class Recommendation:
                  f"{p.comm_time:.3g} s of communication of which {p.exposed_comm_time:.3g} s "
                  "is not hidden behind backward")
         if p.plan.offload != "none":
-            links = p.setting.offload_layout.link_bytes()
+            links = offload_layout(p.setting).link_bytes()
             tiers = p.peak_by_tier()
             bound += (f"; offload: host {tiers['host'] / GB:.3g} GB, disk "
                       f"{tiers['disk'] / GB:.3g} GB per rank, {links['pcie'] / GB:.3g} GB over "

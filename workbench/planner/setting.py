@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import Any
 
 from kernels_runtime.mesh.plan import Plan, PlanError
 from kernels_runtime.mesh.validation import pipeline_chunks
@@ -185,14 +184,6 @@ class Setting:
     def tokens_per_micro(self) -> float:
         """Tokens one micro-batch puts on this rank."""
         return self.micro_batch * self.seq_local
-
-    @cached_property
-    def offload_layout(self) -> Any:
-        """Chunks, homes and moves of an offload plan (``offload.Layout``), built once: the
-        memory and time terms both read it, and ``offload=auto`` searches for its fraction."""
-        from workbench.planner.offload import layout
-
-        return layout(self)
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kernels_runtime.byte_sizes import human_bytes
 from kernels_runtime.inference.plans import inference_plan, inference_problem
 from kernels_runtime.mesh.plan import Plan, PlanError
-from kernels_runtime.mesh.sizes import human_bytes
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 # a replica fits a rank when its weights take at most this share of the rank's memory: the

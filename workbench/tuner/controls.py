@@ -16,6 +16,7 @@ from typing import Any
 
 import ipywidgets as widgets
 
+from kernels_runtime.byte_sizes import format_bytes
 from kernels_runtime.mesh.plan import (
     FRACTION_FIELDS,
     OFFLOADS,
@@ -25,7 +26,6 @@ from kernels_runtime.mesh.plan import (
     TP_MODES,
     Plan,
 )
-from kernels_runtime.mesh.sizes import format_bytes
 
 LABELS = {  # field -> what the control says
     "dp": "data parallel (dp)",

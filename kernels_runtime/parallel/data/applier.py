@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels_runtime.deferred_params import allocate, has_deferred, move_real, to_be_loaded
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.parallel.data.fsdp import FsdpGradSync, FsdpState, shard_model
 from kernels_runtime.parallel.data.replicated import ReplicatedState
 from kernels_runtime.parallel.data.zero import ZeroGradSync, cast_params
 from kernels_runtime.parallel.state import ParallelState
-from kernels_runtime.policies.deferred import allocate, has_deferred, move_real, to_be_loaded
 from kernels_runtime.precision import compute_dtype
 
 

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from kernels_runtime.deferred_params import move_real, to_be_loaded
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.plan import AXES
 from kernels_runtime.mesh.shards import ParamLayout
@@ -33,7 +34,6 @@ from kernels_runtime.optim import (
 from kernels_runtime.optim.state import layout_replica, state_views, written_part
 from kernels_runtime.parallel.data.fsdp_comms import record_fsdp_comms
 from kernels_runtime.parallel.data.zero import named_param_groups
-from kernels_runtime.policies.deferred import move_real, to_be_loaded
 from kernels_runtime.precision import compute_dtype
 
 

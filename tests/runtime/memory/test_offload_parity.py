@@ -157,7 +157,7 @@ def test_offloaded_training_matches_training_without_offload(ranks, case):
     if "disk" in case:
         assert all(r["tiers"]["disk"] > 0 for r in out), f"{case}: nothing on disk"
     if "host_mem=" in offload:  # model state kept on the host stays within its budget
-        from kernels_runtime.mesh.sizes import parse_bytes
+        from kernels_runtime.byte_sizes import parse_bytes
 
         host_mem = parse_bytes(offload.split("host_mem=")[1].split()[0])
         assert all(r["tiers"]["host"] <= host_mem for r in out), \

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from kernels_runtime.byte_sizes import format_bytes, human_bytes, parse_bytes
 from kernels_runtime.mesh.plan import Plan, PlanError
-from kernels_runtime.mesh.sizes import format_bytes, human_bytes, parse_bytes
 
 SIZES = [
     ("256MiB", 256 * 2**20),

@@ -1,0 +1,202 @@
+"""Heterogeneous memory against PyTorch's own, in one run on one rank (HF GPT-2, small config).
+
+- auto placement when everything fits: step time of ``zero=2 offload=auto`` with a budget
+  that holds the whole model against the same model without offload (aim <= 1.05);
+- host Adam: the step of ``offload=static offload_optim=1`` (fp32 masters and AdamW states in
+  host memory, stepped chunk by chunk by the user's ``AdamW(fused=True)`` over flat shards)
+  against ``torch.optim.AdamW(fused=True)`` over the model's parameters (aim >= 1.0x);
+- the disk tier: step time with every kind of state on disk against the bound the disk
+  bandwidth alone sets (bytes moved per step / sequential read+write rate measured with the
+  page cache bypassed; aim within 2x).
+
+Rounds interleave the variants; medians and the spread (min-max) over rounds are printed.
+``--rounds`` sets their number; ``--skip capacity cgroup`` leaves out the two capacity parts
+(most of the run's 25 minutes) while iterating on the step times.
+Then capacity (``bench/memory/capacity.py``): the largest model plain PyTorch trains a step of under
+``device_mem=256MiB`` against one the host tier trains under the same budget; and physical
+capacity (``bench/memory/cgroup.py``): the largest model plain PyTorch trains a step of inside a
+768 MiB memory cgroup against one the disk tier trains there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from bench.common.spread import spread
+from bench.common.table import print_table
+
+VARIANTS = {  # name -> plan (None: plain PyTorch, no parallelize)
+    "plain": None,
+    "no offload": "dp=1",
+    "auto, fits": "dp=1 zero=2 offload=auto device_mem=64GiB",
+    "host optimizer": "dp=1 zero=2 offload=static offload_optim=1",
+    "disk, everything": "dp=1 zero=2 offload=static offload_params=1 offload_grads=1 "
+                        "offload_optim=1 host_mem=0",
+}
+
+
+def _model(args: argparse.Namespace):
+    from kernels_runtime.calibrate.trial import build_model
+
+    return build_model({"model_type": "gpt2", "vocab": 256, "seq": args.seq,
+                        "hidden": args.hidden, "layers": args.layers,
+                        "heads": max(1, args.hidden // 64), "attention": "sdpa"})
+
+
+def _build(plan: str | None, args: argparse.Namespace, spill: str):
+    import torch
+
+    from kernels_runtime import ParallelContext, parallelize
+
+    model = _model(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    if plan is None:
+        return model, opt
+    return parallelize(model, opt, ctx=ParallelContext.build(plan), verbose=False,
+                       spill_dir=spill)
+
+
+def _step(model, opt, plain: bool, step: int,
+          args: argparse.Namespace) -> tuple[float, float, float]:
+    """(step seconds, optimizer-step seconds, seconds in the optimizer's arithmetic)."""
+    from kernels_runtime import train_step
+    from kernels_runtime.calibrate.trial import next_token_loss, token_batch
+
+    batch = token_batch(step, 0, args.batch, args.seq)
+    t0 = time.perf_counter()
+    if plain:
+        next_token_loss(model, batch).backward()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        end = time.perf_counter()
+        return end - t0, end - t1, end - t1
+    seconds = {}
+    inner_step = opt.step
+
+    def timed_step() -> bool:
+        s = time.perf_counter()
+        ok = inner_step()
+        seconds["opt"] = time.perf_counter() - s
+        return ok
+
+    opt.step = timed_step
+    arithmetic = getattr(opt.sync, "optimizer_seconds", 0.0)
+    try:
+        train_step(model, opt, [batch], loss_fn=next_token_loss)
+    finally:
+        opt.step = inner_step
+    seconds["adam"] = getattr(opt.sync, "optimizer_seconds", 0.0) - arithmetic
+    return time.perf_counter() - t0, seconds["opt"], seconds["adam"]
+
+
+def _run(rank: int, world: int, args: argparse.Namespace, spill: str) -> dict:
+    from bench.memory import capacity as memory_capacity
+    from kernels_runtime.memory.disk import measure_disk_bandwidth
+
+    built = {name: _build(plan, args, spill) for name, plan in VARIANTS.items()}
+    times = {name: [] for name in VARIANTS}
+    opt_times = {name: [] for name in VARIANTS}
+    adam_times = {name: [] for name in VARIANTS}
+    moved = []
+    for r in range(args.rounds + 1):  # round 0 warms up (states created, traces recorded)
+        for name, (model, opt) in built.items():
+            step, opt_s, adam_s = _step(model, opt, VARIANTS[name] is None, r, args)
+            if r:
+                times[name].append(step)
+                opt_times[name].append(opt_s)
+                adam_times[name].append(adam_s)
+            if r and name == "disk, everything":
+                moved.append(dict(opt.sync.last_step["moved"]))
+    from pathlib import Path
+
+    write_bps, read_bps = measure_disk_bandwidth(Path(spill), 128 * 2**20)
+    numel = sum(p.numel() for p in _model(args).parameters())
+    del built
+    capacity = None if "capacity" in args.skip else memory_capacity.run(args, spill)
+    return {"times": times, "opt_times": opt_times, "adam_times": adam_times, "moved": moved,
+            "numel": numel, "disk": (write_bps, read_bps), "capacity": capacity}
+
+
+def _physical(args: argparse.Namespace, spill: str) -> dict | str:
+    from bench.memory import cgroup as memory_cgroup
+
+    return memory_cgroup.run(args, spill)
+
+
+def report(out: dict) -> dict:
+    times, opt_times = out["times"], out["opt_times"]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    adam = out["adam_times"]
+    adam_med = {k: statistics.median(v) for k, v in adam.items()}
+    print(f"GPT-2, {out['numel'] / 1e6:.1f}M parameters, one rank, fp32 AdamW(fused=True)")
+    print_table(["variant", "step s", "optimizer step s", "of it: Adam arithmetic s"],
+                [[k, spread(times[k]), spread(opt_times[k]),
+                  spread(adam[k]) if adam[k][0] else "-"] for k in times])
+    print("(medians over rounds, min-max in brackets)")
+    write_bps, read_bps = out["disk"]
+    moved = statistics.median(sum(m.values()) for m in out["moved"])
+    read = statistics.median(sum(v for (a, _), v in m.items() if a == "disk")
+                             for m in out["moved"])
+    written = statistics.median(sum(v for (_, b), v in m.items() if b == "disk")
+                                for m in out["moved"])
+    # every byte moved is written once and read once per step, at best in sequence
+    bound = moved / 2 / write_bps + moved / 2 / read_bps
+    ratios = {"auto_vs_no_offload": med["auto, fits"] / med["no offload"],
+              "host_adam_speed": adam_med["plain"] / adam_med["host optimizer"],
+              "host_step_speed": statistics.median(opt_times["plain"])
+              / statistics.median(opt_times["host optimizer"]),
+              "disk_vs_bound": med["disk, everything"] / bound}
+    print(f"disk: {write_bps / 1e6:.0f} MB/s write, {read_bps / 1e6:.0f} MB/s read (page cache "
+          f"bypassed); {moved / 2**20:.1f} MiB moved per step ({read / 2**20:.1f} read, "
+          f"{written / 2**20:.1f} written) -> bound {bound:.3f} s")
+    print("(the disk tier steps a chunk right before its next use, inside the next forward: "
+          "its optimizer step s is what is left in step())")
+    print(f"auto placement when everything fits / no offload: {ratios['auto_vs_no_offload']:.3f}"
+          " (aim <= 1.05)")
+    print(f"host Adam speed vs torch.optim.AdamW(fused=True): {ratios['host_adam_speed']:.2f}x"
+          f" (aim >= 1.0x); the whole host optimizer step (gradients to the host, parameters "
+          f"published) {ratios['host_step_speed']:.2f}x")
+    print(f"disk-tier step / disk-bandwidth bound: {ratios['disk_vs_bound']:.2f} (aim <= 2)")
+    from bench.memory import capacity as memory_capacity
+    from bench.memory import cgroup as memory_cgroup
+
+    if out["capacity"] is not None:
+        ratios["device_budget_capacity"] = memory_capacity.report(out["capacity"])
+    if out["physical"] is not None:
+        ratios["cgroup_capacity"] = memory_cgroup.report(out["physical"])
+    return ratios
+
+
+QUICK = {"hidden": 64, "layers": 2, "seq": 32, "batch": 2, "rounds": 2}
+
+
+def main(argv: list[str]) -> dict:
+    import tempfile
+
+    from bench.memory import capacity as memory_capacity
+    from bench.memory import cgroup as memory_cgroup
+    from kernels_runtime.testing import run_ranks
+
+    parser = argparse.ArgumentParser(prog="python -m bench memory")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds")
+    parser.add_argument("--skip", nargs="+", default=[], choices=["capacity", "cgroup"],
+                        help="leave out the capacity part (device budget) or the cgroup one")
+    memory_capacity.add_arguments(parser)
+    memory_cgroup.add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.quick:
+        for k, v in {**QUICK, **memory_capacity.QUICK, **memory_cgroup.QUICK}.items():
+            setattr(args, k, v)
+    with tempfile.TemporaryDirectory(prefix="bench-memory-", dir=".") as spill:
+        out = run_ranks(_run, 1, args, spill, timeout_s=1800)[0]
+        # the cgroup trials are processes of their own
+        out["physical"] = None if "cgroup" in args.skip else _physical(args, spill)
+    return report(out)

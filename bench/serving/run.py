@@ -1,0 +1,202 @@
+"""The serving endpoint under load, against calling the engine directly, in one run:
+
+64 concurrent streaming clients (asyncio + httpx, one connection each, all sent at once) against
+``%colossal serve``'s server on loopback in front of an engine on a real pool (``dp=<ranks>``
+replicas, GPT-2 shape, random weights, greedy), and the same 64 requests through
+``engine.generate`` on the ranks with no HTTP in between. Every streamed request must come back
+whole: its streamed text equal, in order, to the decoding of what ``generate`` produced for
+it, with the token count it asked for (byte tokens, so every token is text). Printed:
+requests/s, generated tokens/s, time to first token and inter-token latency (p50, p99, seen by
+the clients), and served throughput / direct throughput (aim >= 0.9); rounds alternate the
+two, medians with the min-max.
+
+``--quick``: fewer, shorter requests on a smaller model (what the test runs).
+``--soak SECONDS``: instead, 64 clients, some disconnecting and some malformed, against a real
+``workbench serve`` for that long (``bench/serving/soak.py``); exit status 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common.spread import spread
+from bench.common.table import print_table
+
+FULL = dict(clients=64, vocab=256, hidden=256, layers=4, heads=4, context=512, batch=32,
+            batch_tokens=512, kv_mem="32MiB", prompt=(16, 96), output=(24, 96), seed=0)
+QUICK = dict(FULL, clients=12, vocab=256, hidden=64, layers=2, heads=2, batch=8,
+             batch_tokens=128, kv_mem="2MiB", prompt=(8, 32), output=(8, 24))
+
+BUILD = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from kernels_runtime.data import ByteTokenizer
+from kernels_runtime.inference import Engine, SamplingParams
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+_cfg = {spec!r}
+_model = GPT2LMHeadModel(GPT2Config(
+    vocab_size=_cfg["vocab"], n_positions=_cfg["context"], n_embd=_cfg["hidden"],
+    n_layer=_cfg["layers"], n_head=_cfg["heads"], resid_pdrop=0.0, embd_pdrop=0.0,
+    attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+engine = Engine(_model, "dp={ranks}", comm=comm, kv_mem=_cfg["kv_mem"],
+                max_num_seqs=_cfg["batch"], max_batch_tokens=_cfg["batch_tokens"],
+                prefix_sharing=False, tokenizer=ByteTokenizer(), verbose=False)
+"""
+
+DIRECT = """
+import time
+import torch.distributed as _dist
+
+_params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in _bench_lengths]
+_dist.barrier()
+_t0 = time.perf_counter()
+_outs = engine.generate(_bench_prompts, _params)
+_dist.barrier()
+bench_direct = {{"seconds": time.perf_counter() - _t0,
+                 "tokens": [o.token_ids for o in _outs]}}
+"""
+
+
+def workload(spec: dict) -> tuple[list[list[int]], list[int]]:
+    import random
+
+    rng = random.Random(spec["seed"])
+    prompts = [[rng.randrange(1, spec["vocab"]) for _ in range(rng.randint(*spec["prompt"]))]
+               for _ in range(spec["clients"])]
+    return prompts, [rng.randint(*spec["output"]) for _ in range(spec["clients"])]
+
+
+async def _one(client: Any, url: str, key: str, prompt: list[int], n: int) -> dict:
+    body = {"model": "engine", "prompt": prompt, "max_tokens": n, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    import json
+
+    start = time.perf_counter()
+    times, text, usage = [], "", None
+    async with client.stream("POST", url, json=body,
+                             headers={"Authorization": f"Bearer {key}"}) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk["choices"]:
+                if choice.get("text"):
+                    times.append(time.perf_counter() - start)
+                    text += choice["text"]
+    return {"times": times, "text": text, "usage": usage}
+
+
+async def _load(url: str, key: str, prompts: list, lengths: list, timeout_s: float) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(prompts))
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        start = time.perf_counter()
+        results = await asyncio.wait_for(asyncio.gather(*[
+            _one(client, url, key, p, n) for p, n in zip(prompts, lengths)]), timeout_s)
+        return {"seconds": time.perf_counter() - start, "results": results}
+
+
+def run(spec: dict, ranks: int, rounds: int) -> dict:
+    from workbench.execution import run_cell
+    from workbench.pool import Pool
+    from workbench.serving.server import Server, free_port
+
+    prompts, lengths = workload(spec)
+    quiet = {"stream": lambda *a: None, "display": lambda *a: None}
+    out: dict[str, list] = {"direct": [], "served": []}
+    with Pool(ranks) as pool:
+        pool.start()
+        run_cell(pool, BUILD.format(spec=spec, ranks=ranks), **quiet)
+        pool.view().push({"_bench_prompts": prompts, "_bench_lengths": lengths}, block=True)
+        for _ in range(rounds):
+            run_cell(pool, DIRECT.format(), **quiet)
+            out["direct"].append(pool.view([0]).pull("bench_direct", block=True)[0])
+            server = Server(pool, "engine", port=free_port(), api_key="bench").start()
+            try:
+                out["served"].append(asyncio.run(_load(
+                    server.url + "/completions", "bench", prompts, lengths, 600)))
+            finally:
+                server.stop()
+    out["lengths"] = lengths
+    return out
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def report(out: dict, spec: dict, ranks: int) -> dict:
+    from kernels_runtime.data import ByteTokenizer
+
+    decode = ByteTokenizer().decode
+    lengths = out["lengths"]
+    tokens = sum(lengths)
+    reference = out["direct"][0]["tokens"]
+    complete = 0
+    for served in out["served"]:
+        for result, n, ref in zip(served["results"], lengths, reference):
+            usage = result["usage"] or {}
+            if usage.get("completion_tokens") == n == len(ref) and result["text"] == decode(ref):
+                complete += 1
+    expected = len(out["served"]) * spec["clients"]
+    direct = [tokens / d["seconds"] for d in out["direct"]]
+    served = [tokens / s["seconds"] for s in out["served"]]
+    ttft = [r["times"][0] for s in out["served"] for r in s["results"] if r["times"]]
+    gaps = [b - a for s in out["served"] for r in s["results"]
+            for a, b in zip(r["times"], r["times"][1:])]
+    print(f"{spec['clients']} concurrent streaming clients, {tokens} tokens per round; GPT-2 "
+          f"h={spec['hidden']}, {spec['layers']} layers, vocab {spec['vocab']}; {ranks} ranks "
+          f"(dp={ranks}), up to {spec['batch']} sequences per replica")
+    print_table(["path", "tokens/s", "requests/s"],
+                [["direct engine.generate", spread(direct, digits=1),
+                  spread([spec["clients"] / d["seconds"] for d in out["direct"]], digits=1)],
+                 ["HTTP, streamed", spread(served, digits=1),
+                  spread([spec["clients"] / s["seconds"] for s in out["served"]], digits=1)]])
+    print(f"requests complete with all their tokens: {complete} of {expected}")
+    print(f"time to first token p50 {_p(ttft, 0.5) * 1e3:.0f} ms, p99 {_p(ttft, 0.99) * 1e3:.0f}"
+          f" ms; inter-token latency p50 {_p(gaps, 0.5) * 1e3:.1f} ms, p99 "
+          f"{_p(gaps, 0.99) * 1e3:.1f} ms")
+    ratio = [s / d for s, d in zip(served, direct)]
+    print(f"served / direct throughput: {statistics.median(ratio):.2f} "
+          f"({min(ratio):.2f}-{max(ratio):.2f}) (aim >= 0.9)")
+    return {"ratio": statistics.median(ratio), "complete": complete, "expected": expected}
+
+
+def main(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m bench serving")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--soak", type=float, default=None, metavar="SECONDS",
+                        help="soak a real workbench serve for SECONDS (serving_soak.py)")
+    parser.add_argument("--clients", type=int, default=64, help="with --soak: clients at once")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="with --soak: a model folder (default: SmolLM2-135M-Instruct)")
+    args = parser.parse_args(argv)
+    if args.soak is not None:
+        from bench.serving import soak as serving_soak
+
+        if args.soak <= 0 or args.clients < 1:
+            parser.error("--soak takes seconds > 0 and --clients a count >= 1")
+        out = serving_soak.soak(args.soak, args.clients, args.ranks, args.model)
+        serving_soak.report(out)
+        if not out["ok"]:
+            raise SystemExit(1)
+        return out
+    spec = dict(QUICK if args.quick else FULL)
+    rounds = args.rounds or (1 if args.quick else 3)
+    return report(run(spec, args.ranks, rounds), spec, args.ranks)

@@ -1,0 +1,36 @@
+"""``python -m bench inference --quick`` runs end to end on 2 real ranks and reports its figures
+(nothing about time is asserted): the benchmark stays runnable; its KV utilisation is a
+fraction of allocated slots and above contiguous allocation's; prefix sharing took blocks from
+the index and kept fewer blocks in use; the workload is the same on every side."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.full  # a --quick benchmark run
+def test_the_inference_benchmark_reports_its_figures(capsys):
+    from bench.inference.run import main
+
+    figures = main(["--quick"])
+    printed = capsys.readouterr().out
+    assert set(figures) == {"ratio", "static", "utilisation", "hits"}
+    assert figures["ratio"] > 0 and figures["static"] > 0
+    assert 0.5 < figures["utilisation"] <= 1.0
+    assert figures["hits"] > 0
+    for words in ("engine / HF generate", "(aim >= 5x)", "aim >= 96%", "contiguous per request",
+                  "time to first token p50", "peak blocks in use"):
+        assert words in printed, words
+
+
+def test_the_workload_is_mixed_and_the_same_for_every_side():
+    from bench.inference.ranks import workload
+    from bench.inference.run import QUICK
+
+    first, again = workload(QUICK), workload(QUICK)
+    assert first == again and len(first) == QUICK["requests"]
+    prompts = [len(p) for p, _ in first]
+    outputs = [n for _, n in first]
+    assert min(prompts) < max(prompts) / 2 and min(outputs) < max(outputs) / 2

@@ -1,0 +1,21 @@
+"""``python -m bench serving --quick`` runs end to end on a real 2-rank pool: every streamed
+request comes back whole (its text equal to what ``engine.generate`` produced, with the token
+count it asked for), and the throughput ratio is reported (never asserted: it is a time)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.engines, pytest.mark.full]  # a --quick benchmark run
+
+
+def test_the_serving_benchmark_loses_no_request(capsys):
+    from bench.serving.run import main
+
+    figures = main(["--quick"])
+    printed = capsys.readouterr().out
+    assert figures["complete"] == figures["expected"] == 12, printed
+    assert figures["ratio"] > 0
+    for words in ("concurrent streaming clients", "inter-token latency p50",
+                  "served / direct throughput", "(aim >= 0.9)"):
+        assert words in printed, words
