@@ -113,7 +113,7 @@ def test_the_server_and_the_cli_refuse_a_timeout_that_is_not_positive():
     for bad in ("0", "-3", "soon", "inf", "nan"):
         with pytest.raises(argparse.ArgumentTypeError, match="seconds > 0"):
             seconds(bad)
-    assert _seconds("2.5") == 2.5
+    assert seconds("2.5") == 2.5
 
 
 @pytest.mark.full
