@@ -60,13 +60,17 @@ class LayerMeter:
         self._handles: list = []
         self._points: list[Reading] = []
 
+    def read(self) -> Reading:
+        """One reading of the counters (a subclass may read other groups)."""
+        return _read(self.stats)
+
     def mark(self) -> None:
         """A pass boundary: call before forward, between forward and backward, after backward."""
-        self._points.append(_read(self.stats))
+        self._points.append(self.read())
 
     def _at(self, i: int, pass_: str) -> Callable:
         def hook(*_: Any) -> None:
-            self._marks.setdefault((i, pass_), []).append(_read(self.stats))
+            self._marks.setdefault((i, pass_), []).append(self.read())
         return hook
 
     def __enter__(self) -> LayerMeter:

@@ -39,13 +39,8 @@ def _read(stats) -> tuple[int, dict]:
 class GridMeter(LayerMeter):
     """``LayerMeter`` over every process group: readings keyed (op, group)."""
 
-    def mark(self) -> None:
-        self._points.append(_read(self.stats))
-
-    def _at(self, i: int, pass_: str) -> Callable:
-        def hook(*_: Any) -> None:
-            self._marks.setdefault((i, pass_), []).append(_read(self.stats))
-        return hook
+    def read(self) -> tuple[int, dict]:
+        return _read(self.stats)
 
 
 def make_variant(name: str, shape: GridShape, comm) -> Variant | str:
