@@ -12,6 +12,8 @@ computing. Only attention must know which tokens belong together; ``StepBatch`` 
 
 ``sample_index`` holds the row index of the last token of every chunk that reaches the end of its
 sequence's known tokens: only there are logits computed (``logits_to_keep``) and a token sampled.
+A sequence carrying ``k`` speculative drafts (``speculation.py``) keeps the logits of its last
+``k + 1`` rows instead, one per draft to verify and one for the token after them.
 """
 
 from __future__ import annotations
@@ -42,14 +44,25 @@ class StepBatch:
     input_ids: torch.Tensor  # (1, T)
     positions: torch.Tensor  # (1, T)
     slots: torch.Tensor  # (T,)
-    sample_index: torch.Tensor  # (S,)
+    sample_index: torch.Tensor  # (R,) rows whose logits are kept, R = sum(rows)
     sampled: list[Sequence]  # the S sequences that get a new token, in sample_index order
     spans: list[Span]
+    rows: list[int]  # (S,) logits rows of each sampled sequence (1, or drafts + 1)
     adapters: torch.Tensor | None = None  # (T,) each token's LoRA adapter slot; None: all base
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
+
+    def per_sequence(self, flat: list | None) -> list[list]:
+        """Per-row values (R) cut into each sampled sequence's ``rows``; Nones for None."""
+        if flat is None:
+            return [[None] * n for n in self.rows]
+        out, at = [], 0
+        for n in self.rows:
+            out.append(flat[at:at + n])
+            at += n
+        return out
 
 
 def _span(seq: Sequence, row: int, begin: int, end: int, block_size: int,
@@ -79,7 +92,7 @@ def build_batch(chunks: list[tuple[Sequence, int]], block_size: int,
                 device: torch.device) -> StepBatch:
     ids: list[int] = []
     positions, slots, spans, sample_index, sampled = [], [], [], [], []
-    row, adapters = 0, []
+    row, adapters, rows = 0, [], []
     for seq, n in chunks:
         begin, end = seq.computed, seq.computed + n
         ids += seq.tokens[begin:end]
@@ -89,13 +102,15 @@ def build_batch(chunks: list[tuple[Sequence, int]], block_size: int,
         spans.append(span)
         slots.append(new)
         if end == len(seq.tokens):
-            sample_index.append(row + n - 1)
+            keep = seq.drafted + 1  # a chunk holds its drafts (speculation.fit)
+            sample_index += range(row + n - keep, row + n)
             sampled.append(seq)
+            rows.append(keep)
         row += n
     return StepBatch(
         input_ids=torch.tensor([ids], dtype=torch.long, device=device),
         positions=torch.cat(positions)[None].to(device),
         slots=torch.cat(slots).to(device),
         sample_index=torch.tensor(sample_index, dtype=torch.long, device=device),
-        sampled=sampled, spans=spans,
+        sampled=sampled, spans=spans, rows=rows,
         adapters=torch.tensor(adapters, device=device) if any(a >= 0 for a in adapters) else None)

@@ -6,7 +6,8 @@ host or disk under an offloading plan), a paged KV cache is sized from ``kv_mem`
 ``step()`` runs one forward over the tokens the scheduler picked (``scheduler.py``), samples the
 requests that reached the end of their tokens and retires the finished ones. LoRA adapters
 (``adapters={name: folder}``) ride on the base weights, so requests naming different adapters,
-or none, share every step (``adapters.py``).
+or none, share every step (``adapters.py``). Greedy requests with ``speculate`` on verify
+drafted tokens copied from their own context in the same forward (``speculation.py``).
 
 Ranks of one replica (the tp x pp ranks sharing a dp coordinate) make the same calls with the
 same arguments and keep identical schedulers; only activations and the sampled tokens pass
@@ -32,7 +33,7 @@ from torch import nn
 from kernels_runtime.byte_sizes import human_bytes, parse_bytes
 from kernels_runtime.inference.adapters import AdapterSet
 from kernels_runtime.inference.attention import PagedLayer, install
-from kernels_runtime.inference.batch import build_batch
+from kernels_runtime.inference.batch import StepBatch, build_batch
 from kernels_runtime.inference.blocks import BlockPool
 from kernels_runtime.inference.kv_cache import PagedKVCache, blocks_for, bytes_per_block
 from kernels_runtime.inference.params import RequestOutput, SamplingParams
@@ -48,6 +49,7 @@ from kernels_runtime.inference.runner import ModelRunner
 from kernels_runtime.inference.sampling import new_generator, sample, stop_check
 from kernels_runtime.inference.scheduler import ScheduledStep, Scheduler
 from kernels_runtime.inference.sequence import Sequence
+from kernels_runtime.inference.speculation import PromptLookup
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.plan import Plan, PlanError
 from kernels_runtime.parallel.state import parallel_state
@@ -116,6 +118,7 @@ class Engine:
             else [PagedLayer(self.cache, i) for i in range(len(shapes))]
         self.pool = BlockPool(num_blocks, block_size, prefix_sharing)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_batch_tokens, preemption)
+        self.speculation = PromptLookup(self.scheduler)  # requests with speculate=... only
         self.eos = _eos_ids(model)
         self.generator = torch.Generator().manual_seed(seed)
         self.sequences: dict[str, Sequence] = {}
@@ -192,7 +195,9 @@ class Engine:
         """One forward over the scheduled tokens; the outputs that changed (new tokens,
         finished, rejected or aborted requests)."""
         changed, self.rejected = self.rejected, []
+        self.speculation.draft()  # drafted tokens ride in the decodes' chunks
         step = self.scheduler.schedule()
+        self.speculation.fit(step)
         if not step.chunks:
             if self.scheduler.has_work and not step.preempted:
                 raise RuntimeError("the scheduler found nothing to run while requests wait "
@@ -203,15 +208,23 @@ class Engine:
         batch = build_batch(step.chunks, self.block_size, self.ctx.device)
         with self.adapters.routing(batch.adapters):
             logits = self.runner.forward(batch)
-        tokens, logits = self._agree(batch.sampled, logits)
+        tokens, logits = self._agree(batch, logits)
+        targets, rows = batch.per_sequence(tokens), batch.per_sequence(logits)
+        news = self.speculation.settle(step, batch.sampled, targets)
         self.scheduler.finish_chunks(step)
-        now = time.perf_counter()
-        for seq, token, row in zip(batch.sampled, tokens, logits or itertools.repeat(None)):
-            changed.append(self._append(seq, token, row, now))
+        self.speculation.release()
+        now, made = time.perf_counter(), 0
+        for seq, new, seq_rows in zip(batch.sampled, news, rows):
+            for token, row in zip(new, seq_rows):  # accepted drafts, then the target's token
+                out = self._append(seq, token, row, now)
+                made += 1
+                if out.finished:
+                    break
+            changed.append(seq.output)
         self.totals["steps"] += 1
         self._trace_kv()
         self.ctx.telemetry.record_inference(self.stats())
-        self.ctx.telemetry.tick(tokens=len(tokens))  # tokens/s: generated tokens
+        self.ctx.telemetry.tick(tokens=made)  # tokens/s: generated tokens
         return changed
 
     def _trace_kv(self) -> None:
@@ -229,22 +242,31 @@ class Engine:
             self.cache.load_blocks(seq.swapped_out, blocks)
             seq.swapped_out = None
 
-    def _agree(self, sampled: list[Sequence],
+    def _agree(self, batch: StepBatch,
                logits: torch.Tensor | None) -> tuple[list[int], list | None]:
-        """The sampled tokens (and logits rows asked for), from the last pipeline stage to
-        every rank of the replica."""
+        """The tokens of every kept logits row (sampled at each sequence's last row, the argmax
+        at its drafts' rows), and the rows asked for, from the last pipeline stage to every
+        rank of the replica."""
+        sampled = batch.sampled
         want = any(s.params.return_logits for s in sampled)
-        tokens = torch.zeros(len(sampled), dtype=torch.long, device=self.ctx.device)
+        total = sum(batch.rows)
+        tokens = torch.zeros(total, dtype=torch.long, device=self.ctx.device)
         if logits is not None:
-            tokens = torch.tensor(sample(logits, sampled), device=self.ctx.device)
+            if total == len(sampled):
+                tokens = torch.tensor(sample(logits, sampled), device=self.ctx.device)
+            else:  # drafts to verify: greedy targets at every row (speculation is greedy)
+                last = torch.tensor(batch.rows).cumsum(0) - 1  # (S,) each sequence's last row
+                tokens = logits.argmax(dim=-1)  # (R,)
+                tokens[last.to(tokens.device)] = torch.tensor(
+                    sample(logits[last.to(logits.device)], sampled), device=tokens.device)
         if self.runner.pp > 1:
             group = self.ctx.group("pp")
-            last = self.ctx.topology.group_of(self.ctx.rank, ("pp",))[-1]
-            self.ctx.comm.broadcast(tokens, src=last, group=group)
+            last_stage = self.ctx.topology.group_of(self.ctx.rank, ("pp",))[-1]
+            self.ctx.comm.broadcast(tokens, src=last_stage, group=group)
             if want:
                 if logits is None:
-                    logits = torch.empty(len(sampled), self.vocab, device=self.ctx.device)
-                self.ctx.comm.broadcast(logits, src=last, group=group)
+                    logits = torch.empty(total, self.vocab, device=self.ctx.device)
+                self.ctx.comm.broadcast(logits, src=last_stage, group=group)
         rows = [row.cpu() for row in logits] if want and logits is not None else None
         return tokens.tolist(), rows
 
@@ -349,7 +371,7 @@ class Engine:
                 "prefix_hit_blocks": pool.hits,
                 "kv_utilisation": self.kv_trace["tokens"] / self.kv_trace["slots"]
                 if self.kv_trace["slots"] else None, "weights": self._weight_tiers(),
-                **self.totals}
+                **self.speculation.stats(), **self.totals}
 
     def _weight_tiers(self) -> dict[str, int] | None:
         """Bytes of weights per tier (device, host, disk) under an offloading plan."""

@@ -14,6 +14,7 @@ from typing import Any
 
 FINISH_REASONS = ("length", "stop", "abort", "error")
 SEED_MAX = 2**63 - 1
+DEFAULT_DRAFT = 4  # tokens drafted per step under ``speculate=True`` (speculation.py)
 
 
 @dataclass
@@ -28,6 +29,12 @@ class SamplingParams:
     token unless ``ignore_eos``) or where the text first contains one of ``stop`` (the text is
     cut before it; needs a tokenizer). ``return_logits`` keeps each generated token's logits
     (float32, the whole vocabulary), for tests and inspection.
+
+    ``speculate`` turns on prompt-lookup speculative decoding for this request (``True``:
+    draft up to ``DEFAULT_DRAFT`` tokens a step; an integer: up to that many; ``False``/0:
+    off). The tokens are exactly the greedy ones without it, only fewer forwards compute
+    them; it is greedy only, so asking for it with ``temperature > 0`` is an error (not
+    silently dropped: a caller who asked for speed should learn they do not get it).
     """
 
     max_new_tokens: int = 16
@@ -39,10 +46,18 @@ class SamplingParams:
     stop: str | list[str] | tuple[str, ...] = ()
     ignore_eos: bool = False
     return_logits: bool = False
+    speculate: bool | int = False
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def draft_len(self) -> int:
+        """Tokens drafted per step: 0 when speculation is off."""
+        if self.speculate is True:
+            return DEFAULT_DRAFT
+        return int(self.speculate or 0)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -80,6 +95,13 @@ class SamplingParams:
                     "stop_token_ids=[...]")
         if any(s == "" for s in self.stop_strings):
             return "stop strings must not be empty"
+        k = self.speculate
+        if not isinstance(k, (bool, int)) or (not isinstance(k, bool) and k < 0):
+            return (f"speculate must be True, False or a number of draft tokens >= 0, got "
+                    f"{k!r}")
+        if k and not self.greedy:
+            return (f"speculate is for greedy decoding only (drafts are checked against the "
+                    f"argmax), but temperature={t}: set temperature=0 or speculate=False")
         if self.stop_strings and not has_tokenizer:
             return ("stop strings need a tokenizer to read the text: pass tokenizer= to the "
                     "Engine, or stop on token ids with stop_token_ids=[...]")

@@ -35,6 +35,7 @@ class Sequence:
     swapped_out_blocks: list[int] = field(default_factory=list)  # the blocks they came from
     preemptions: int = 0
     prefix_hit_tokens: int = 0  # prompt tokens found in shared blocks (not computed)
+    drafted: int = 0  # the last ``drafted`` tokens are speculative drafts (speculation.py)
     adapter: int = -1  # the slot of its LoRA adapter (adapters.py); -1: the base model
     output: RequestOutput = None  # type: ignore[assignment]
 
