@@ -105,6 +105,7 @@ print("FAILED:" + ",".join(failed))
 """
 
 
+@pytest.mark.slow  # ~13 s: every module in its own interpreter; make test, not the inner loop
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork (POSIX)")
 def test_every_module_imports_alone_in_a_fresh_interpreter():
     """Each module is imported in a process that has imported nothing of the runtime (a fork

@@ -162,6 +162,7 @@ def _skip_then_recreate(rank: int, world_size: int, ports: list[int], events: li
     return outcome
 
 
+@pytest.mark.slow  # ~10 s: waits out a real collective timeout
 def test_skipped_collective_times_out_and_group_can_be_recreated() -> None:
     ctx = mp.get_context("spawn")
     events = [ctx.Event(), ctx.Event()]
