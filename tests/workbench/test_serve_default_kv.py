@@ -19,7 +19,22 @@ from bench.serving.soak import rss, settled, start_serve, stop_serve
 pytestmark = [pytest.mark.full, pytest.mark.engines]  # the real model on 4 ranks, ~1-2 min
 
 
+def _earlier_pools_gone(timeout_s: float = 90.0) -> None:
+    """Wait until no rank of an earlier test's pool is still exiting: what this test measures
+    is a share of the memory free, and a pool being torn down still holds its pages."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = [p for p in psutil.process_iter(["cmdline"])
+                if "workbench.engine" in " ".join(p.info["cmdline"] or [])]
+        if not left:
+            return
+        time.sleep(1.0)
+
+
 def test_serve_without_kv_mem_on_4_ranks_stays_under_half_the_free_memory(smollm2):
+    _earlier_pools_gone()
     available = psutil.virtual_memory().available
     proc, url = start_serve(smollm2.folder, "--pool-size", "4")
     output = ""

@@ -126,9 +126,11 @@ def test_a_host_with_another_workbench_version_is_refused_at_start(kernel, hosts
     old = tmp_path / "old-install"
     shutil.copytree(Path(workbench.__file__).parent, old / "workbench",
                     ignore=shutil.ignore_patterns("__pycache__", "labextension", "static"))
-    init = old / "workbench" / "__init__.py"
-    init.write_text(init.read_text().replace(f'__version__ = "{workbench.__version__}"',
-                                             '__version__ = "0.0.9"'))
+    version = old / "workbench" / "version.py"
+    text = version.read_text()
+    assert f'__version__ = "{workbench.__version__}"' in text  # else the copy keeps our version
+    version.write_text(text.replace(f'__version__ = "{workbench.__version__}"',
+                                    '__version__ = "0.0.9"'))
     env_file = hosts.b.home / ".ssh" / "environment"  # sshd's per-user environment on b
     env_file.write_text(f"PYTHONPATH={old}\n")
     try:
