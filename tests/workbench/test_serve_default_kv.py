@@ -33,10 +33,25 @@ def _earlier_pools_gone(timeout_s: float = 90.0) -> None:
         time.sleep(1.0)
 
 
+def _largest_processes(n: int = 6) -> str:
+    rows = []
+    for proc in psutil.process_iter(["pid", "memory_info", "cmdline"]):
+        info = proc.info
+        if info["memory_info"] is not None:
+            rows.append((info["memory_info"].rss, info["pid"],
+                         " ".join(info["cmdline"] or [])[:160]))
+    return "\n".join(f"{rss / 2**30:6.2f} GiB  pid {pid}  {cmd}"
+                      for rss, pid, cmd in sorted(rows, reverse=True)[:n])
+
+
 def test_serve_without_kv_mem_on_4_ranks_stays_under_half_the_free_memory(smollm2):
     _earlier_pools_gone()
     available = psutil.virtual_memory().available
-    proc, url = start_serve(smollm2.folder, "--pool-size", "4")
+    try:
+        proc, url = start_serve(smollm2.folder, "--pool-size", "4")
+    except RuntimeError as err:  # name what holds the host's memory (seen late in test-full)
+        raise RuntimeError(f"{err}\navailable before start {available / 2**30:.2f} GiB; "
+                           f"largest processes:\n{_largest_processes()}") from None
     output = ""
     try:
         kernel, pool = rss(proc.pid)
