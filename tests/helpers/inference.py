@@ -89,6 +89,19 @@ def reference(model: nn.Module, prompt: list[int], new: int) -> tuple[list[int],
     return out.sequences[0, len(prompt):].tolist(), [row[0].float() for row in out.logits]
 
 
+_REFERENCES: dict[tuple, list] = {}
+
+
+def references(kind: str, path: str | Path, prompts: list[list[int]], new: int) -> list:
+    """``reference`` of each prompt by the model at ``path``, computed once per test session
+    (the parametrized cases of a file share them)."""
+    key = (kind, str(path), tuple(map(tuple, prompts)), new)
+    if key not in _REFERENCES:
+        model = load(kind, path)
+        _REFERENCES[key] = [reference(model, p, new) for p in prompts]
+    return _REFERENCES[key]
+
+
 def save_hf_folder(folder: Path, steps: int = TRAIN_STEPS) -> Path:
     """A ``save_pretrained`` folder as users bring one: a tiny GPT-2 trained for ``steps``
     steps with its own BPE tokenizer (trained here with ``tokenizers`` on standard-library

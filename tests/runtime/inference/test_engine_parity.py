@@ -30,14 +30,8 @@ def _prompts() -> list[list[int]]:
     return out
 
 
-_REFERENCE: dict[str, list] = {}
-
-
 def reference(kind: str, path: str) -> list:
-    if kind not in _REFERENCE:
-        model = inf.load(kind, path)
-        _REFERENCE[kind] = [inf.reference(model, p, NEW) for p in _prompts()]
-    return _REFERENCE[kind]
+    return inf.references(kind, path, _prompts(), NEW)
 
 
 def _run(rank: int, world: int, kind: str, path: str, plan: str, small_kv: str,

@@ -113,14 +113,8 @@ def _run(rank: int, world: int, kind: str, path: str, plan: str, small_kv: str) 
     return results
 
 
-_REFERENCE: dict[str, list] = {}
-
-
 def reference(kind: str, path: str) -> list:
-    if kind not in _REFERENCE:
-        model = inf.load(kind, path)
-        _REFERENCE[kind] = [inf.reference(model, p, NEW) for p in _prompts()]
-    return _REFERENCE[kind]
+    return inf.references(kind, path, _prompts(), NEW)
 
 
 PLANS = {"one rank": ("dp=1", 1, "128KiB"), "tp=2": ("tp=2", 2, "64KiB"),
