@@ -18,7 +18,8 @@ pytest_plugins = ["helpers.tier_guard"]
 def ranks() -> Iterator[Callable[[int], object]]:
     """``ranks(n)``: a ``RankPool`` of n gloo ranks (2, 4 or 8), started on first use and reused
     by every test of the session; ``ranks(n).run(fn, *args)`` returns each rank's value. A test
-    whose ranks fail gets fresh processes for the next test."""
+    whose ranks fail gets fresh processes for the next test. ``ranks.close_all()`` stops them
+    (they restart on next use), for a test that measures the host's free memory."""
     from helpers.distributed import RankPool
 
     pools: dict[int, RankPool] = {}
@@ -28,9 +29,13 @@ def ranks() -> Iterator[Callable[[int], object]]:
             pools[n] = RankPool(n, pg_timeout_s=30.0)
         return pools[n]
 
+    def close_all() -> None:
+        for pool in pools.values():
+            pool.close()
+
+    get.close_all = close_all
     yield get
-    for pool in pools.values():
-        pool.close()
+    close_all()
 
 
 @pytest.fixture(scope="module")

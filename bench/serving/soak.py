@@ -164,27 +164,32 @@ def rss(pid: int) -> tuple[int, int]:
     return process.memory_info().rss, children
 
 
-def start_serve(folder: Path, *args: str, timeout_s: float = 300.0) -> tuple[Any, str]:
+def start_serve(folder: Path, *args: str, timeout_s: float = 300.0,
+                attempts: int = 3) -> tuple[Any, str]:
     """``workbench serve --model FOLDER ARGS`` on a free port; (process, url) once ``/health``
-    answers. The caller stops it (``stop_serve``)."""
+    answers. The caller stops it (``stop_serve``). The port is free when chosen but may be
+    taken before the server binds it: a start that failed only on that is retried."""
     import httpx
 
     from workbench.serving.server import free_port
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "serve", "--model",
-                             str(folder), "--no-api-key", "--port", str(port), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    output = stop_serve(proc)
+    for attempt in range(attempts):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "serve", "--model",
+                                 str(folder), "--no-api-key", "--port", str(port), *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    return proc, url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        output = stop_serve(proc)
+        if "address already in use" not in output.lower() or attempt + 1 == attempts:
+            break
     raise RuntimeError(f"workbench serve did not answer /health in {timeout_s:.0f} s:\n"
                        f"{output[-3000:]}")
 

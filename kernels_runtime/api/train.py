@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels_runtime.api.interrupts import interrupt_after
+from kernels_runtime.api.interrupts import STOPPED, held_interrupts
 from kernels_runtime.api.objective import causal_lm_loss
 from kernels_runtime.api.schedule import LossFn, Schedule, SequentialSchedule, to_device
 from kernels_runtime.optim import BoostedOptimizer
@@ -58,13 +58,19 @@ def train_step(
     samples, tokens, seq_len = _count(microbatches)
     flops = telemetry.model_flops(model, tokens, seq_len)
     with telemetry.step(tokens=tokens, samples=samples, flops=flops):
-        total = schedule.run(model, optimizer, microbatches, loss_fn, telemetry)
-        with telemetry.compute(), interrupt_after():  # a step is applied whole or not at all
-            stepped = optimizer.step()
+        with held_interrupts() as interrupts:  # a step is applied whole or not at all
+            total = schedule.run(model, optimizer, microbatches, loss_fn, telemetry)
+            with telemetry.compute():
+                stepped = optimizer.step()
         mean = total / n
         ctx.comm.all_reduce(mean, group=ctx.dp_group)
-        loss_value = mean.item() / ctx.dp_size
-    return StepResult(loss_value, stepped, optimizer.last_grad_norm)
+        stop = torch.full_like(mean, float(bool(interrupts)))
+        if ctx.world_size > 1:  # any rank interrupted: all stop after this step
+            ctx.comm.all_reduce(stop, op=torch.distributed.ReduceOp.MAX)
+        loss_sum, stop_value = torch.stack([mean, stop]).tolist()  # the one host sync
+    if stop_value:
+        raise KeyboardInterrupt(STOPPED)
+    return StepResult(loss_sum / ctx.dp_size, stepped, optimizer.last_grad_norm)
 
 
 def eval_step(model: nn.Module, microbatches: Sequence[Any],
