@@ -6,6 +6,7 @@ ipyparallel; it never touches torch.distributed itself.
 
 from typing import Any
 
+from kernels_runtime._lazy import lazy_module as _lazy_module
 from workbench.errors import PoolError, RankFailureError
 from workbench.lab.state import PoolStateFile
 from workbench.planner import recommend as recommend  # re-export: workbench.recommend(...)
@@ -24,19 +25,11 @@ __all__ = ["Pool", "PoolError", "RankFailureError", "RankFit", "RankStatus", "Re
            "recommend", "show_dashboard", "tune"]
 
 # what notebooks use from deeper modules, imported on first use (IPython and the serving
-# stack are not needed to import the workbench)
+# stack are not needed to import the workbench), by the runtime's one lazy loader (torch-free)
 _LAZY = {"RemoteEngine": "workbench.inference", "active_pool": "workbench.magics",
          "free_port": "workbench.serving.server"}
 
-
-def __getattr__(name: str) -> Any:
-    import importlib
-
-    if name not in _LAZY:
-        raise AttributeError(f"module 'workbench' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = _lazy_module(_LAZY, globals())
 
 
 def show_dashboard(run: Any = None, shell: Any = None) -> Any:

@@ -2,7 +2,7 @@
 per transformer layer and per rank, in b (batch), s (sequence), h (hidden), t (tp degree), a
 (query heads), kv (key/value heads), d (head width), f (MLP width) and e (bytes per element).
 
-The derivations are in docs/architecture.md, "Tensor-parallel communication and activation
+The derivations are in docs/parallel/tensor.md, "Tensor-parallel communication and activation
 formulas". Collectives follow the instrumented ``Collectives``' convention: the bytes of an op
 are the payload this rank hands to it (an all-gather's input, a reduce-scatter's full input).
 Torch-free, so the benchmark's parent process and the tests can use it without ranks.

@@ -12,7 +12,7 @@ against PyTorch DTensor, on a small HF LLaMA on 2 gloo ranks (tp=2), in one run:
 3. bytes saved for backward per layer per rank (``SavedActivations``) against Korthikanti et
    al. 2022's formulas adapted to LLaMA.
 
-The formulas and their derivation: docs/architecture.md, "Tensor-parallel communication and
+The formulas and their derivation: docs/parallel/tensor.md, "Tensor-parallel communication and
 activation formulas". ``--quick``: a smaller model and fewer rounds.
 """
 

@@ -5,7 +5,7 @@ Symbols as there (b, s, h, a, kv, dh = h/a, f, e; ``Shape`` is 1D's), plus the g
 and depth d: tp = d*q^2, and a rank holds n = b*s/(d*q) tokens of h/q features. Collectives
 follow the instrumented ``Collectives``' convention: the payload this rank hands to the op (a
 broadcast's whole buffer on its root and on every receiver alike); ``wire`` turns them into the
-bytes a rank sends. Derivations: docs/architecture.md, "2D and 2.5D communication and memory".
+bytes a rank sends. Derivations: docs/parallel/tensor.md, "2D and 2.5D communication and memory".
 Torch-free, so the benchmark's parent and the tests use it without ranks.
 """
 

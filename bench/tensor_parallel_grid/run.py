@@ -13,7 +13,7 @@ their formulas, on a small HF LLaMA (gloo ranks), in one run:
    against 1/q^2 and 1/(d*q^2) of the unsplit model's, and against the exact formulas.
 
 1D tp=4 and 2D 2x2 run on 4 ranks; 1D tp=8 and 2.5D 2x2x2 on 8 (counting only; if parallelize
-refuses a plan its rows say so). The formulas and derivations: docs/architecture.md, "2D and
+refuses a plan its rows say so). The formulas and derivations: docs/parallel/tensor.md, "2D and
 2.5D communication and memory". ``--quick``: a smaller model and fewer rounds.
 """
 

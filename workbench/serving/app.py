@@ -1,4 +1,4 @@
-"""The HTTP routes of a serving endpoint (FastAPI on uvicorn; why in docs/architecture.md).
+"""The HTTP routes of a serving endpoint (FastAPI on uvicorn; why in docs/inference.md).
 
 ``/v1/completions`` and ``/v1/chat/completions`` (``stream: true`` as server-sent events, token
 by token), ``/v1/models``, ``/health`` (503 with the reason when the ranks cannot serve),
