@@ -4,14 +4,16 @@ Model code stays unchanged. The model's policy (``kernels_runtime.policies``) sa
 model is made of; the plan says how to split it. Each dimension is one applier, run in this
 order, each building on what the earlier ones recorded in the model's ``ParallelState``:
 
-    tensor -> sequence -> activation checkpointing -> pipeline -> data/ZeRO -> offload
+    tensor -> sequence -> expert -> activation checkpointing -> pipeline -> data/ZeRO -> offload
 
 Tensor parallelism first, because it changes which tensors exist (shards of each weight);
-sequence parallelism then changes the activations between them; checkpointing wraps the blocks
-as they now are; a pipeline keeps a stage's blocks; data parallelism shards what is left over
-dp; offload places those shards on device, host or disk. Every applier first says whether it
-can run the plan (``check``), all before any applier changes the model, so a refused plan
-leaves the model untouched.
+sequence parallelism then changes the activations between them; expert parallelism (ep > 1)
+swaps each mixture-of-experts block for one holding its rank's experts; checkpointing wraps
+the blocks as they now are; a pipeline keeps a stage's blocks; data parallelism shards what is
+left over dp (under ep, expert parameters over their expert-data group instead:
+``parallel/expert/data_step.py`` stands in for the data applier); offload places those shards
+on device, host or disk. Every applier first says whether it can run the plan (``check``),
+all before any applier changes the model, so a refused plan leaves the model untouched.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from kernels_runtime.mesh.plan import Plan, PlanError
 from kernels_runtime.optim import BoostedOptimizer
 from kernels_runtime.parallel import activation_checkpoint
 from kernels_runtime.parallel.data import applier as data
+from kernels_runtime.parallel.expert import applier as expert
+from kernels_runtime.parallel.expert import data_step as expert_data
 from kernels_runtime.parallel.pipeline import applier as pipeline
 from kernels_runtime.parallel.sequence import applier as sequence
 from kernels_runtime.parallel.state import ATTRIBUTE, ParallelState, parallel_state
@@ -39,9 +43,10 @@ Apply = Callable[[nn.Module, ParallelState], nn.Module]
 APPLIERS: tuple[tuple[str, Check, Apply], ...] = (
     ("tensor", tensor.check, tensor.apply),
     ("sequence", sequence.check, sequence.apply),
+    ("expert", expert.check, expert.apply),
     ("activation_checkpointing", activation_checkpoint.check, activation_checkpoint.apply),
     ("pipeline", pipeline.check, pipeline.apply),
-    ("data", data.check, data.apply),
+    ("data", data.check, expert_data.apply),  # data.apply itself when ep=1
     ("offload", offload.check, offload.apply),
 )
 

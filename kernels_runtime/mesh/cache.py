@@ -43,6 +43,7 @@ class Mesh:
     device_mesh: DeviceMesh
     groups: dict[str, dist.ProcessGroup]  # dp, pp, sp, tp, dp_sp, embedding (where they exist)
     grids: dict[tuple[str, int], dict[str, dist.ProcessGroup]] = field(default_factory=dict)
+    experts: dict[int, dict[str, dist.ProcessGroup]] = field(default_factory=dict)  # by ep
 
     @classmethod
     def create(cls, topology: Topology, device_type: str) -> Mesh:
@@ -69,10 +70,19 @@ class Mesh:
                                for name, lists in topo.tp_grid_groups().items()}
         return self.grids[key]
 
+    def expert_groups(self, ep: int) -> dict[str, dist.ProcessGroup]:
+        """The "ep" and "edp" groups of expert parallelism of size ``ep``, created on first use
+        (every rank builds the same context, so every rank gets here together)."""
+        if ep not in self.experts:
+            topo = Topology(*self.topology.sizes, ep=ep)
+            self.experts[ep] = {name: new_groups(lists)
+                                for name, lists in topo.expert_groups().items()}
+        return self.experts[ep]
+
     def all_groups(self) -> list[dist.ProcessGroup]:
         out = [*self.groups.values()]
-        for grid in self.grids.values():
-            out.extend(grid.values())
+        for extra in (*self.grids.values(), *self.experts.values()):
+            out.extend(extra.values())
         return out
 
 

@@ -11,6 +11,8 @@ strategy: no module-level state. The groups it owns:
 | dp_sp                     | dp and sp                       | replicated gradients under sp  |
 | tp_row, tp_col (, tp_dep) | a row / column (/ depth) of tp  | 2D SUMMA, 2.5D Tesseract       |
 | embedding                 | pp: first and last stage only   | tied input/output embeddings   |
+| ep, edp (ep > 1)          | dp: a run of ep / a stride of ep| expert parallelism: experts    |
+|                           |                                 | split / their gradients reduced|
 
 plus ``pp_prev`` / ``pp_next``, the global ranks of the neighbouring pipeline stages. Groups
 are cached per axis sizes in the session's ``MeshCache`` (``comm.meshes``): rebuilding a context
@@ -72,6 +74,8 @@ class ParallelContext:
         groups = dict(mesh.groups)
         if plan.tp_mode != "1d":
             groups.update(mesh.tp_grid(plan.tp_mode, plan.tp_depth))
+        if plan.ep > 1:
+            groups.update(mesh.expert_groups(plan.ep))
         for name, group in groups.items():
             comm.name_group(group, name)
         for axis in AXES:  # an axis group shared with a derived one keeps the axis name
@@ -86,7 +90,7 @@ class ParallelContext:
         """The same groups under another plan with the same axis sizes and tp mode (e.g.
         another zero stage or precision)."""
         plan = Plan.parse(plan).validate(self.world_size)
-        same = ("tp_mode", "tp_depth", *AXES)
+        same = ("tp_mode", "tp_depth", "ep", *AXES)
         if any(getattr(plan, a) != getattr(self.plan, a) for a in same):
             raise ValueError(f"plan {plan.to_string()!r} needs another mesh than "
                              f"{self.plan.to_string()!r}; build a new ParallelContext")

@@ -70,6 +70,9 @@ class Plan:
     pp_schedule: str = "1f1b"
     pp_chunks: int = 1  # model chunks per pipeline rank: V of interleaved (>= 2); zbv uses 2
     activation_checkpointing: bool = False
+    # expert-parallel size: each group of ep data-parallel ranks splits the experts of every
+    # mixture-of-experts block (ep divides dp; the ranks with one share form the expert-dp group)
+    ep: int = 1
 
     # ---- parsing ------------------------------------------------------------------------
     @classmethod
@@ -163,7 +166,8 @@ def _convert(name: str, raw: str) -> Any:
         if low in ("0", "false", "off", "no"):
             return False
         raise PlanError(f"activation_checkpointing={raw!r}: use on or off")
-    if name in ("dp", "tp", "pp", "sp", "tp_depth", "zero_stage", "microbatches", "pp_chunks"):
+    if name in ("dp", "tp", "pp", "sp", "ep", "tp_depth", "zero_stage", "microbatches",
+                "pp_chunks"):
         try:
             return int(raw)
         except ValueError:

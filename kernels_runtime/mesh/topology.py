@@ -29,13 +29,14 @@ class Topology:
     tp: int = 1
     tp_mode: str = "1d"
     tp_depth: int = 1
+    ep: int = 1  # expert-parallel groups inside dp (``expert_groups``); not a mesh axis
 
     @classmethod
     def of(cls, plan: Plan) -> Topology:
         """The topology of a validated plan (dp resolved)."""
         if plan.dp is None:
             raise ValueError("resolve dp first: Plan.validate(world_size) returns such a plan")
-        return cls(plan.dp, plan.pp, plan.sp, plan.tp, plan.tp_mode, plan.tp_depth)
+        return cls(plan.dp, plan.pp, plan.sp, plan.tp, plan.tp_mode, plan.tp_depth, plan.ep)
 
     @property
     def sizes(self) -> tuple[int, int, int, int]:
@@ -122,6 +123,21 @@ class Topology:
                     c = self.tp_grid_coords(rank)
                     buckets.setdefault((base, *(c[k] for k in keep)), []).append(rank)
             out[name] = [tuple(members) for members in buckets.values()]
+        return out
+
+    # ---- expert parallelism -------------------------------------------------------------
+    def expert_groups(self) -> dict[str, list[Ranks]]:
+        """"ep": every run of ``ep`` adjacent dp coordinates of a dp group (they split the
+        experts); "edp": the dp ranks with the same place in their ep group (they hold the
+        same experts, so their expert gradients are reduced together). A dp coordinate d sits
+        at place d % ep of ep group d // ep, as Megatron's expert-parallel ranks are the inner
+        part of its data-parallel ones."""
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide dp={self.dp}")
+        out: dict[str, list[Ranks]] = {"ep": [], "edp": []}
+        for dp_group in self.groups_along(("dp",)):
+            out["ep"] += [dp_group[i:i + self.ep] for i in range(0, self.dp, self.ep)]
+            out["edp"] += [dp_group[i::self.ep] for i in range(self.ep)]
         return out
 
     # ---- pipeline -----------------------------------------------------------------------

@@ -83,7 +83,7 @@ def _check_offload(plan: Plan) -> None:
 def check_plan(plan: Plan, world_size: int, model_config: Any = None) -> Plan:
     if world_size < 1:
         raise PlanError(f"world_size={world_size}: start a pool with at least one rank")
-    for name in ("dp", "tp", "pp", "sp", "tp_depth", "microbatches", "pp_chunks"):
+    for name in ("dp", "tp", "pp", "sp", "ep", "tp_depth", "microbatches", "pp_chunks"):
         _positive(name, getattr(plan, name))
     _choice("tp_mode", plan.tp_mode, TP_MODES)
     _choice("sp_mode", plan.sp_mode, SP_MODES)
@@ -109,6 +109,7 @@ def check_plan(plan: Plan, world_size: int, model_config: Any = None) -> Plan:
             f"the pool has {world_size} ranks; make the product {world_size}, or write dp=auto"
         )
     _check_tensor_mode(plan)
+    _check_experts(plan)
     _check_offload(plan)
     if plan.zero_stage and plan.dp * plan.sp == 1 and plan.offload == "none":
         raise PlanError(
@@ -129,6 +130,25 @@ def check_plan(plan: Plan, world_size: int, model_config: Any = None) -> Plan:
     if model_config is not None:
         _check_model(plan, model_config, world_size if auto_dp else None)
     return plan
+
+
+def _check_experts(plan: Plan) -> None:
+    """ep groups are carved out of the data-parallel ranks (as Megatron's and ColossalAI's
+    expert parallelism): the dp ranks of one (pp, sp, tp) position form dp/ep groups of ep
+    adjacent ranks, each splitting the experts; ranks holding the same experts form the
+    expert-data-parallel group (dp/ep ranks) over which those experts' gradients are reduced."""
+    if plan.ep == 1:
+        return
+    assert plan.dp is not None
+    if plan.dp % plan.ep:
+        fits = [e for e in range(1, plan.dp + 1) if plan.dp % e == 0]
+        raise PlanError(
+            f"ep={plan.ep} does not divide dp={plan.dp}: expert-parallel groups are made of "
+            f"data-parallel ranks (world = dp*pp*sp*tp, ep dividing dp); choose ep in {fits}, "
+            f"or make dp a multiple of {plan.ep} (e.g. dp={(plan.dp // plan.ep + 1) * plan.ep})")
+    if plan.sp > 1:
+        raise PlanError(f"ep={plan.ep} with sp={plan.sp} is not available yet: expert groups "
+                        "are carved out of dp alone; use sp=1 (or ep=1)")
 
 
 def pipeline_chunks(plan: Plan) -> int:
@@ -259,9 +279,22 @@ def _check_model(plan: Plan, config: Any, pool: int | None = None) -> None:
             f"sp_mode=all_to_all splits the {heads} heads over sp={plan.sp}; "
             "choose sp dividing the head count or sp_mode=ring"
         )
+    if plan.ep > 1:
+        _check_expert_count(plan, config)
     stages = plan.pp * pipeline_chunks(plan)
     if layers is not None and plan.pp > 1 and stages > layers:
         what = f"pp={plan.pp}" if stages == plan.pp else \
             f"pp={plan.pp} x {pipeline_chunks(plan)} chunks per rank"
         raise PlanError(f"{what} needs at least {stages} blocks but the model has {layers}; "
                         f"use fewer stages or chunks (pp*chunks <= {layers})")
+
+
+def _check_expert_count(plan: Plan, config: Any) -> None:
+    """Each rank of an ep group holds experts/ep experts of every block. A config that names
+    no expert count is not refused here: ``parallelize`` reads the blocks themselves and
+    refuses a model without mixture-of-experts blocks."""
+    experts = _config_value(config, "num_local_experts", "num_experts", "n_routed_experts")
+    if experts is not None and experts % plan.ep:
+        fits = [e for e in range(1, experts + 1) if experts % e == 0]
+        raise PlanError(f"ep={plan.ep} does not divide the model's {experts} experts per block: "
+                        f"each rank of an ep group holds experts/ep of them; choose ep in {fits}")

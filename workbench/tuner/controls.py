@@ -47,6 +47,7 @@ LABELS = {  # field -> what the control says
     "pp_schedule": "pp schedule",
     "pp_chunks": "pp chunks (interleaved)",
     "activation_checkpointing": "activation checkpointing",
+    "ep": "expert parallel (ep)",
 }
 
 
@@ -64,7 +65,7 @@ def choices(world_size: int) -> dict[str, list[tuple[str, Any]]]:
     named = {"tp_mode": TP_MODES, "sp_mode": SP_MODES, "offload": OFFLOADS,
              "precision": PRECISIONS, "pp_schedule": PP_SCHEDULES}
     out: dict[str, list[tuple[str, Any]]] = {k: [(v, v) for v in vals] for k, vals in named.items()}
-    out.update(dp=[("auto", None), *degrees], tp=degrees, pp=degrees, sp=degrees,
+    out.update(dp=[("auto", None), *degrees], tp=degrees, pp=degrees, sp=degrees, ep=degrees,
                tp_depth=[(str(d), d) for d in (1, 2, 4)],
                zero_stage=[(str(z), z) for z in range(4)],
                pp_chunks=[(str(c), c) for c in (1, 2, 3, 4)],

@@ -1,17 +1,26 @@
-"""Expert parallelism: the experts of a mixture-of-experts layer split over the ep axis.
+"""Expert parallelism: the experts of a mixture-of-experts layer split over the ep ranks.
+
+The plan's ``ep`` carves groups of ep adjacent data-parallel ranks out of dp (``mesh``: the
+"ep" and "edp" groups); ``parallelize`` runs the appliers here when ep > 1.
 
 - ``dispatch.py``: routing (Mixtral's softmax, top-k, renormalize), the dispatch of token rows to
   their experts' ranks, the local experts, and the combine back (dropless: no token dropped).
 - ``dispatch_comms.py``: the variable-split all-to-all those use, with its reverse as backward,
   and the exchange of row counts before it.
-- ``moe_layer.py``: ``ExpertParallelMoE``, a transformers Mixtral sparse-MoE block holding only
-  this rank's experts.
-
-Not yet wired into ``Plan``/``parallelize``: a caller swaps the blocks and sums the replicated
-parameters' gradients over ep itself (``is_expert_parameter`` tells which to skip).
+- ``moe_layer.py``: ``ExpertParallelMoE``, a transformers sparse-MoE block (Mixtral, Qwen2-MoE
+  with its shared expert, Qwen3-MoE; read through ``policies.moe``) holding only this rank's
+  experts.
+- ``applier.py``: the expert applier (which plans and models it runs, and the swap).
+- ``data_step.py``, ``grad_sync.py``, ``zero3.py``: the data applier's step under ep: replicas
+  made equal per group, non-expert gradients reduced over dp and expert ones over expert-dp
+  (ZeRO 0-2 on flat buckets, ZeRO-3 on FSDP2 with the experts as their own unit).
+- ``aux_loss.py``: the router's load-balancing loss over the whole data-parallel batch, equal
+  to HF's on one process.
 """
 
+from kernels_runtime.parallel.expert.aux_loss import load_balancing_loss
 from kernels_runtime.parallel.expert.dispatch import Routing, moe_forward, route
 from kernels_runtime.parallel.expert.moe_layer import ExpertParallelMoE, is_expert_parameter
 
-__all__ = ["ExpertParallelMoE", "Routing", "is_expert_parameter", "moe_forward", "route"]
+__all__ = ["ExpertParallelMoE", "Routing", "is_expert_parameter", "load_balancing_loss",
+           "moe_forward", "route"]

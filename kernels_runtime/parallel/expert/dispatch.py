@@ -33,7 +33,9 @@ from kernels_runtime.comm.collectives import Collectives
 from kernels_runtime.comm.groups import Group
 from kernels_runtime.parallel.expert.dispatch_comms import all_to_all_v, exchange_counts
 
-ExpertFn = Callable[[int, Tensor], Tensor]  # (local expert index, rows (m, h)) -> (m, h)
+# each local expert's rows [(m_e, h)] -> their outputs [(m_e, h)], in one call: a module called
+# once per layer, so ZeRO-3 gathers the local experts' weights once (FSDP2 hooks per call)
+ExpertFn = Callable[[list[Tensor]], list[Tensor]]
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,7 @@ def run_local_experts(rows: Tensor, recv_counts: Tensor, expert: ExpertFn) -> Te
         recv_counts.reshape(-1).to(rows.device))  # (n,) local expert of each received row
     order = torch.argsort(expert_of_row, stable=True)  # (n,)
     grouped = rows.index_select(0, order).split(recv_counts.sum(dim=0).tolist())
-    out = torch.cat([expert(e, chunk) for e, chunk in enumerate(grouped)])  # (n, h) by expert
+    out = torch.cat(expert(list(grouped)))  # (n, h) by expert
     return out.index_select(0, _inverse(order))  # (n, h) in arrival order
 
 

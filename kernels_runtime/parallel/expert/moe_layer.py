@@ -1,11 +1,14 @@
-"""An HF Mixtral sparse-MoE block whose experts are split over the ranks of an ep group.
+"""An HF sparse-MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE) whose experts are split over an ep group.
 
-Why a swap: transformers' ``MixtralSparseMoeBlock`` holds all E experts fused in two tensors
+Why a swap: transformers' sparse-MoE blocks hold all E experts fused in two tensors
 (``experts.gate_up_proj`` (E, 2*I, h), gate rows then up rows; ``experts.down_proj`` (E, h, I))
-and loops over them on its own tokens. ``ExpertParallelMoE`` keeps this rank's E/ep slices under
+and loop over them on their own tokens. ``ExpertParallelMoE`` keeps this rank's E/ep slices under
 the same names, keeps the router module itself (``gate``, so transformers' output recorder still
-collects its logits for the auxiliary load-balancing loss) and runs the dispatch of
-``dispatch.py``. Its forward returns what the HF block returns: the hidden states (b, s, h).
+collects its logits for the auxiliary load-balancing loss, and its own top-k and normalization
+give the routing) and runs the dispatch of ``dispatch.py``; a shared expert (Qwen2-MoE) stays
+whole on every rank. Which attribute is which comes from the block's ``MoeSpec``
+(``kernels_runtime.policies.moe``). Its forward returns what the HF block returns: the hidden
+states (b, s, h).
 
 Gradients: the router (and everything outside the MoE blocks) is replicated over ep, each rank
 seeing its own tokens, so its gradients are summed over dp x ep; an expert's gradient already
@@ -15,19 +18,39 @@ expert-data-parallel group only. ``is_expert_parameter`` tells the two apart.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from kernels_runtime.comm.collectives import Collectives
 from kernels_runtime.comm.groups import Group
-from kernels_runtime.parallel.expert.dispatch import moe_forward, route
+from kernels_runtime.parallel.expert.dispatch import Routing, moe_forward
+from kernels_runtime.policies.moe import MoeSpec, moe_spec
 
 EXPERT_ATTR = "_expert_parallel"  # set on expert parameters: their gradients skip the ep sum
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` on the way back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.scale, None
+
+
 class LocalExperts(nn.Module):
-    """This rank's experts [first, first + E/ep) of a Mixtral experts module, as its slices."""
+    """This rank's experts [first, first + E/ep) of a Mixtral experts module, as its slices.
+
+    ``grad_scale`` multiplies the weights' gradients (1 alone; the data step sets 1/ep, see
+    ``grad_sync.py``). It is applied to the weights as used in forward, so it holds whatever
+    holds the parameters: flat buckets (zero 0-2) or gathered FSDP2 shards (zero 3)."""
 
     def __init__(self, experts: nn.Module, rank: int, ep: int) -> None:
         super().__init__()
@@ -45,39 +68,49 @@ class LocalExperts(nn.Module):
         for param in (self.gate_up_proj, self.down_proj):
             setattr(param, EXPERT_ATTR, True)
         self.act_fn = experts.act_fn
+        self.grad_scale = 1.0
 
-    def forward(self, index: int, rows: Tensor) -> Tensor:
-        """Local expert ``index`` on its rows: (m, h) -> (m, h), Mixtral's SwiGLU MLP."""
-        gate, up = nn.functional.linear(rows, self.gate_up_proj[index]).chunk(2, dim=-1)  # (m, I)
-        return nn.functional.linear(self.act_fn(gate) * up, self.down_proj[index])  # (m, h)
+    def forward(self, chunks: list[Tensor]) -> list[Tensor]:
+        """Each local expert on its rows, Mixtral's SwiGLU MLP: [(m_e, h)] -> [(m_e, h)]. Every
+        expert runs, on zero rows if none came, so its weights are in the graph every step."""
+        gate_up_proj, down_proj = self.gate_up_proj, self.down_proj  # (E/ep, 2I, h), (E/ep, h, I)
+        if self.grad_scale != 1.0:
+            gate_up_proj = _ScaleGrad.apply(gate_up_proj, self.grad_scale)
+            down_proj = _ScaleGrad.apply(down_proj, self.grad_scale)
+        out = []
+        for index, rows in enumerate(chunks):
+            gate_up = nn.functional.linear(rows, gate_up_proj[index])  # (m, 2I)
+            gate, up = gate_up.chunk(2, dim=-1)  # (m, I) each
+            out.append(nn.functional.linear(self.act_fn(gate) * up, down_proj[index]))
+        return out
 
 
-def _check_block(block: nn.Module) -> None:
-    missing = [name for name, ok in [
-        ("gate.weight", hasattr(getattr(block, "gate", None), "weight")),
-        ("top_k", hasattr(block, "top_k")),
-        ("experts.gate_up_proj", hasattr(getattr(block, "experts", None), "gate_up_proj")),
-        ("experts.down_proj", hasattr(getattr(block, "experts", None), "down_proj")),
-        ("experts.act_fn", hasattr(getattr(block, "experts", None), "act_fn")),
-    ] if not ok]
-    if missing:
+def _spec_of(block: nn.Module) -> MoeSpec:
+    spec = moe_spec(block)
+    if spec is None:
         raise TypeError(f"ExpertParallelMoE takes a transformers Mixtral-style sparse MoE block "
-                        f"(fused experts.gate_up_proj / down_proj); {type(block).__name__} has no "
-                        f"{', '.join(missing)}. Pass model.model.layers[i].mlp of a Mixtral model")
+                        f"(a gate router and fused experts.gate_up_proj / down_proj / act_fn); "
+                        f"{type(block).__name__} is not one. Pass model.model.layers[i].mlp of "
+                        "a Mixtral, Qwen2-MoE or Qwen3-MoE model")
+    return spec
 
 
 class ExpertParallelMoE(nn.Module):
-    """``block``'s router, replicated, and this rank's share of its experts over ``group``."""
+    """``block``'s router (and shared expert), replicated, and this rank's share of its experts
+    over ``group``."""
 
-    def __init__(self, block: nn.Module, comm: Collectives, group: Group) -> None:
+    def __init__(self, block: nn.Module, comm: Collectives, group: Group,
+                 spec: MoeSpec | None = None) -> None:
         super().__init__()
-        _check_block(block)
+        spec = spec if spec is not None else _spec_of(block)
         self.comm, self.group = comm, group
-        self.top_k = block.top_k
         self.jitter_noise = getattr(block, "jitter_noise", 0.0)
-        self.gate = block.gate
-        self.experts = LocalExperts(block.experts, dist.get_rank(group),
+        self.gate = getattr(block, spec.router)
+        self.top_k = getattr(block, "top_k", getattr(self.gate, "top_k", None))
+        self.experts = LocalExperts(getattr(block, spec.experts), dist.get_rank(group),
                                     dist.get_world_size(group))
+        self.shared_expert = getattr(block, spec.shared_expert) if spec.shared_expert else None
+        self.shared_expert_gate = getattr(block, spec.shared_gate) if spec.shared_gate else None
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         batch, seq, hidden = hidden_states.shape
@@ -85,9 +118,15 @@ class ExpertParallelMoE(nn.Module):
             hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
                 1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         flat = hidden_states.reshape(-1, hidden)  # (t, h)
-        logits = self.gate(flat)[0]  # (t, E); through the module so HF records the logits
-        out = moe_forward(flat, route(logits, self.top_k), self.experts.num_experts,
-                          self.experts, self.comm, self.group)  # (t, h)
+        # through the module so HF records the logits; its own top-k and normalization
+        _, weights, experts = self.gate(flat)  # (t, k), (t, k)
+        out = moe_forward(flat, Routing(experts=experts, weights=weights),
+                          self.experts.num_experts, self.experts, self.comm, self.group)  # (t, h)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(flat)  # (t, h)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
         return out.reshape(batch, seq, hidden)
 
 

@@ -20,7 +20,8 @@ def test_appliers_run_in_the_documented_order():
     from kernels_runtime.api import APPLIERS
 
     assert [name for name, _, _ in APPLIERS] == [
-        "tensor", "sequence", "activation_checkpointing", "pipeline", "data", "offload"]
+        "tensor", "sequence", "expert", "activation_checkpointing", "pipeline", "data",
+        "offload"]
 
 
 def _refusals(rank: int, world: int) -> dict:

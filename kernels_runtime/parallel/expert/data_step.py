@@ -1,0 +1,83 @@
+"""The data-parallel step of an expert-parallel model: replicas made equal, gradients synced.
+
+``parallelize`` runs this in the data applier's place; without experts (ep=1) it is the data
+applier itself. With ep > 1 two things differ from it. Replicas are made equal per kind of
+parameter: non-expert parameters (and buffers) from the first rank of each dp group, expert
+slices from the first rank of each expert-data group, since the ranks of an ep group hold
+different experts under the same names and shapes (a dp-wide broadcast would silently copy
+rank 0's experts everywhere). And training reduces each kind over its own group
+(``ExpertGradSync`` under zero 0-2, ``zero3.py`` under zero 3).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from kernels_runtime.deferred_params import move_real
+from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.optim import StatePiece
+from kernels_runtime.parallel.data import applier as data
+from kernels_runtime.parallel.data.replicated import ReplicatedState
+from kernels_runtime.parallel.data.zero import cast_params
+from kernels_runtime.parallel.expert.grad_sync import (
+    NO_CHECKPOINT,
+    ExpertGradSync,
+    set_expert_grad_scale,
+)
+from kernels_runtime.parallel.expert.moe_layer import is_expert_parameter
+from kernels_runtime.parallel.expert.zero3 import apply_zero3
+from kernels_runtime.parallel.state import ParallelState
+from kernels_runtime.precision import compute_dtype
+
+
+def sync_replicas(model: nn.Module, ctx: ParallelContext) -> None:
+    """Broadcast non-expert tensors over dp and expert slices over expert-dp, each from its
+    group's first rank (collective over both groups, in one fixed order on every rank)."""
+    experts = [p for p in model.parameters() if is_expert_parameter(p)]
+    seen = {id(p) for p in experts}
+    dense = [t for t in [*model.parameters(), *model.buffers()]
+             if id(t) not in seen and t.numel() and not t.is_meta]
+    pending = []
+    for tensors, group, size in ((dense, ctx.dp_group, ctx.dp_size),
+                                 (experts, ctx.group("edp"), ctx.dp_size // ctx.plan.ep)):
+        if size == 1:
+            continue
+        src = dist.get_global_rank(group, 0)
+        pending += [ctx.comm.broadcast_async(t.data, src=src, group=group) for t in tensors]
+    for op in pending:
+        op.wait()
+
+
+class _ExpertReplicatedState(ReplicatedState):
+    """Weights for evaluation and inference; expert slices have no place in the global
+    tensors yet, so a checkpoint is refused rather than written wrong."""
+
+    def pieces(self, saving: bool, optimizer: object = None) -> list[StatePiece]:
+        raise NotImplementedError(NO_CHECKPOINT)
+
+
+def apply(model: nn.Module, state: ParallelState) -> nn.Module:
+    """The data applier's work, expert-aware (zero 0-3; the expert applier refused offload)."""
+    ctx, plan = state.ctx, state.ctx.plan
+    if plan.ep == 1:
+        return data.apply(model, state)
+    move_real(model, ctx.device)
+    sync_replicas(model, ctx)
+    set_expert_grad_scale(model, plan.ep)
+    if plan.zero_stage == 3:
+        apply_zero3(model, state)
+    elif state.optimizer is None:
+        cast_params(model, compute_dtype(plan.precision))
+        state.model_state = _ExpertReplicatedState(model, ctx, state.layouts)
+    else:
+        state.grad_sync = ExpertGradSync(model, state.optimizer, ctx, state.layouts,
+                                         zero_stage=plan.zero_stage, precision=plan.precision,
+                                         bucket_mb=state.bucket_mb,
+                                         replaced=state.replaced_params)
+        state.model_state = state.grad_sync
+    if plan.zero_stage != 3 and plan.precision != "fp32":  # FSDP2 casts inputs itself
+        model.register_forward_pre_hook(data._input_caster(compute_dtype(plan.precision)),
+                                        with_kwargs=True)
+    state.applied.append("data")
+    return model

@@ -1,0 +1,164 @@
+"""Gradients under expert parallelism: two data-parallel syncs, one per kind of parameter.
+
+A rank of an ep group holds every non-expert parameter (attention, norms, routers, shared
+experts) and E/ep of each block's experts. The non-expert parameters are replicas over all dp
+ranks, each seeing its own tokens, so their gradients are averaged over dp (which holds the ep
+ranks) as without experts. An expert's gradient already sums the tokens every rank of its ep
+group sent it (the all-to-all brought them), so it is reduced over the expert-data-parallel
+group only: the dp/ep ranks holding the same experts (Megatron-Core's expert-data-parallel
+group; DeepSpeed-MoE's ``expert_data_parallel_group``). Averaging over those dp/ep ranks and
+scaling by 1/ep (``set_expert_grad_scale``: in the experts' backward) gives the same mean over
+dp as the other parameters get.
+
+Rather than teach the flat buckets two groups, ``ExpertGradSync`` runs the project's ZeRO 0-2
+strategy (``ZeroGradSync``) twice: once over the non-expert parameters on the plan's context,
+once over the expert parameters on an expert-data view of it (``expert_data_context``: the
+edp group as its dp axis). Each shards its own parameters over its own group, so ZeRO 1/2 shard
+the experts within their expert-data group. One inner optimizer steps the masters of both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.mesh.shards import ParamLayout
+from kernels_runtime.optim import (
+    GradShard,
+    GradSync,
+    StatePiece,
+    optimizer_state_tensors,
+    rebuild_optimizer,
+    tensor_bytes,
+)
+from kernels_runtime.parallel.data.zero import ZeroGradSync
+from kernels_runtime.parallel.expert.moe_layer import LocalExperts, is_expert_parameter
+
+NO_CHECKPOINT = ("checkpoints of an expert-parallel model (ep > 1) are not available yet (issue "
+                 "29, item 4): each rank's expert slices have no layout in the global tensors; "
+                 "train and save under a plan with ep=1")
+
+
+def expert_data_context(ctx: ParallelContext) -> ParallelContext:
+    """``ctx`` with the expert-data-parallel group as its dp axis (dp/ep ranks): what a data
+    strategy sees when it reduces and shards expert parameters."""
+    ep = ctx.plan.ep
+    group = ctx.group("edp")
+    plan = replace(ctx.plan, dp=ctx.dp_size // ep, ep=1)
+    coords = dict(ctx.coords, dp=dist.get_group_rank(group, dist.get_rank()))
+    return ParallelContext(plan, ctx.mesh, ctx.comm, ctx.device, coords,
+                           dict(ctx.groups, dp=group), ctx.topology, ctx.pp_prev, ctx.pp_next)
+
+
+class _Subset(nn.Module):
+    """The parameters of ``model`` that ``keep`` selects, under their names in ``model``: what
+    one of the two syncs is built over, so each casts, counts and buckets only its own."""
+
+    def __init__(self, model: nn.Module, keep: Callable[[nn.Parameter], bool]) -> None:
+        super().__init__()
+        self.__dict__["whole"] = model  # not a submodule: its parameters are not all ours
+        self.keep = keep
+
+    def named_parameters(self, *args, **kwargs) -> Iterator[tuple[str, nn.Parameter]]:
+        return ((n, p) for n, p in self.whole.named_parameters() if self.keep(p))
+
+    def parameters(self, *args, **kwargs) -> Iterator[nn.Parameter]:
+        return (p for _, p in self.named_parameters())
+
+    def to(self, *args, **kwargs) -> _Subset:
+        self.whole.to(*args, **kwargs)
+        return self
+
+
+def set_expert_grad_scale(model: nn.Module, ep: int) -> None:
+    """Every local expert's gradient times 1/ep: the expert-data average then equals the mean
+    over dp (each expert gradient already sums the tokens of its ep group's ranks)."""
+    for module in model.modules():
+        if isinstance(module, LocalExperts):
+            module.grad_scale = 1.0 / ep
+
+
+def _split_optimizer(optimizer: torch.optim.Optimizer, replaced: dict[int, nn.Parameter]
+                     ) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer | None]:
+    """Two optimizers of the user's class and per-group settings, over the non-expert and the
+    expert parameters of each group (the model's current ones: ``replaced`` maps the swapped
+    expert tensors). None for the experts when none is trainable (frozen experts)."""
+    dense, experts = [], []
+    for group in optimizer.param_groups:
+        params = [replaced.get(id(p), p) for p in group["params"]]
+        dense.append([p for p in params if not is_expert_parameter(p)])
+        experts.append([p for p in params if is_expert_parameter(p)])
+    if not any(p.requires_grad for g in experts for p in g):
+        return rebuild_optimizer(optimizer, dense), None
+    return rebuild_optimizer(optimizer, dense), rebuild_optimizer(optimizer, experts)
+
+
+class ExpertGradSync(GradSync):
+    """ZeRO 0-2 over dp for non-expert parameters and over expert-dp for expert ones."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 ctx: ParallelContext, layouts: dict[str, ParamLayout], *, zero_stage: int,
+                 precision: str, bucket_mb: float = 8.0,
+                 replaced: dict[int, nn.Parameter] | None = None) -> None:
+        self.ctx, self.stage = ctx, zero_stage
+        self.expert_ctx = expert_data_context(ctx)
+        dense_opt, expert_opt = _split_optimizer(optimizer, replaced or {})
+        settings = dict(zero_stage=zero_stage, precision=precision, bucket_mb=bucket_mb)
+        dense = _Subset(model, lambda p: not is_expert_parameter(p))
+        self.dense = ZeroGradSync(dense, dense_opt, ctx, layouts, **settings)
+        self.experts = None if expert_opt is None else ZeroGradSync(
+            _Subset(model, is_expert_parameter), expert_opt, self.expert_ctx, layouts, **settings)
+
+    def _syncs(self) -> list[ZeroGradSync]:
+        return [self.dense] if self.experts is None else [self.dense, self.experts]
+
+    def master_groups(self) -> list[list[torch.Tensor]]:
+        if self.experts is None:
+            return self.dense.master_groups()
+        return [d + e for d, e in zip(self.dense.master_groups(), self.experts.master_groups())]
+
+    def prepare_backward(self, sync: bool) -> None:
+        for s in self._syncs():
+            s.prepare_backward(sync)
+
+    def reduce_now(self) -> None:
+        for s in self._syncs():
+            s.reduce_now()
+
+    def finish(self) -> None:
+        for s in self._syncs():
+            s.finish()
+
+    def master_grads(self) -> list[GradShard]:
+        """The expert shards differ across the ep ranks too, so they count as sharded over dp
+        for the global norm; under zero 0 their expert-dp replicas count once (place 0)."""
+        shards = self.dense.master_grads()
+        if self.experts is not None:
+            first = self.expert_ctx.dp_rank == 0 or self.stage > 0
+            shards += [GradShard(s.tensor, s.sharded | {"dp"}, s.primary and first)
+                       for s in self.experts.master_grads()]
+        return shards
+
+    def publish(self) -> None:
+        for s in self._syncs():
+            s.publish()
+
+    def zero_grads(self) -> None:
+        for s in self._syncs():
+            s.zero_grads()
+
+    def memory_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Both syncs' bytes, the optimizer states (which each of them reads from the one
+        inner optimizer) counted once."""
+        parts = [s.memory_breakdown(optimizer) for s in self._syncs()]
+        out = {k: sum(p[k] for p in parts) for k in parts[0]}
+        out["optimizer"] -= (len(parts) - 1) * tensor_bytes(optimizer_state_tensors(optimizer))
+        return out
+
+    def pieces(self, saving: bool, optimizer: torch.optim.Optimizer | None) -> list[StatePiece]:
+        raise NotImplementedError(NO_CHECKPOINT)
