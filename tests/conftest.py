@@ -4,11 +4,15 @@ IPython shell with the workbench loaded and a 2-rank engine pool."""
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 
 import pytest
 
 os.environ.setdefault("IPP_NONINTERACTIVE", "1")
+# %%colossal cells that train keep a run directory (workbench/dashboard/runs.py): in tests under
+# a temporary folder, never the checkout's runs/ (kernels and engines started by tests inherit it)
+os.environ.setdefault("WORKBENCH_RUNS_DIR", tempfile.mkdtemp(prefix="workbench-runs-"))
 
 # counts the pools, engines and kernels each tier starts (make test-fast may start none)
 pytest_plugins = ["helpers.tier_guard"]

@@ -21,12 +21,13 @@ from workbench.version import __version__ as __version__
 publish_pool_state_with(PoolStateFile)
 
 __all__ = ["Pool", "PoolError", "RankFailureError", "RankFit", "RankStatus", "RemoteEngine",
-           "active_pool", "fit_ranks", "free_port", "load_ipython_extension",
+           "active_pool", "compare", "fit_ranks", "free_port", "load_ipython_extension",
            "recommend", "show_dashboard", "tune"]
 
 # what notebooks use from deeper modules, imported on first use (IPython and the serving
 # stack are not needed to import the workbench), by the runtime's one lazy loader (torch-free)
 _LAZY = {"RemoteEngine": "workbench.inference", "active_pool": "workbench.magics",
+         "compare": "workbench.dashboard.compare",
          "free_port": "workbench.serving.server"}
 
 __getattr__, __dir__ = _lazy_module(_LAZY, globals())

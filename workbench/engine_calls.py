@@ -40,7 +40,7 @@ class TelemetryCellHooks:
     def pre_run_cell(self, info: Any) -> None:
         session = self.namespace.get("session")
         if session is not None:
-            session.telemetry.pause()
+            session.telemetry.new_cell()  # pause, and the curves start again at step 1
             session.restore_environment()  # a library may have deleted torchrun's variables
 
     def post_run_cell(self, result: Any) -> None:

@@ -291,7 +291,8 @@ class ColossalMagics(Magics):
         if pushes:
             self._push(pushes, ranks, "--push")
         printer = _StreamPrinter(ranks[0], args.output == "all")
-        live = LiveDashboard(ranks, mode=args.dashboard, label=f"%%colossal {line}".strip())
+        live = LiveDashboard(ranks, mode=args.dashboard, label=f"%%colossal {line}".strip(),
+                             plan=plan.to_string())
         self.last_run = live.history
         live.start()
         pulls = _names(args.pull)

@@ -68,9 +68,13 @@ def train_step(
         if ctx.world_size > 1:  # any rank interrupted: all stop after this step
             ctx.comm.all_reduce(stop, op=torch.distributed.ReduceOp.MAX)
         loss_sum, stop_value = torch.stack([mean, stop]).tolist()  # the one host sync
+        result = StepResult(loss_sum / ctx.dp_size, stepped, optimizer.last_grad_norm)
+        if not stop_value:  # published with this step's telemetry: host values, no more syncs
+            telemetry.record_train(result.loss, result.stepped, result.grad_norm,
+                                   *_lr_and_scale(optimizer))
     if stop_value:
         raise KeyboardInterrupt(STOPPED)
-    return StepResult(loss_sum / ctx.dp_size, stepped, optimizer.last_grad_norm)
+    return result
 
 
 def eval_step(model: nn.Module, microbatches: Sequence[Any],
@@ -97,7 +101,21 @@ def eval_step(model: nn.Module, microbatches: Sequence[Any],
                 total += loss_fn(model, to_device(batch, ctx.device)).detach().float()
     mean = total / len(microbatches)
     ctx.comm.all_reduce(mean, group=ctx.dp_group)
-    return mean.item() / ctx.dp_size
+    loss = mean.item() / ctx.dp_size
+    ctx.telemetry.record_eval(loss)  # the eval loss curve, published with the telemetry
+    ctx.telemetry.maybe_publish()
+    return loss
+
+
+def _lr_and_scale(optimizer: BoostedOptimizer) -> tuple[float | None, float | None]:
+    """The first parameter group's learning rate and the fp16 loss scale (None without
+    one): Python floats already on the host, for the training curves."""
+    groups = optimizer.param_groups
+    lr = groups[0].get("lr") if groups else None
+    scaler = getattr(optimizer, "scaler", None)
+    scale = scaler.scale if getattr(optimizer, "precision", None) == "fp16" else None
+    return (float(lr) if isinstance(lr, (int, float)) else None,
+            float(scale) if scale is not None else None)
 
 
 def _count(microbatches: Sequence[Any]) -> tuple[int, int, int | None]:

@@ -21,6 +21,8 @@ published under ``TELEMETRY_KEY``::
               moved: {"device->host": ...},     bytes moved between tiers, cumulative
               evictions, wait_seconds, steps,   cumulative; per step: differences
               last_step: {moved, evictions, wait_seconds}}   or None: no offloading model
+    curves: {steps, skipped, train, eval}       this cell's training curves (``curves.py``),
+                                                or None: no train_step/eval_step in this cell
     inference: {steps, requests, finished,      an inference engine's figures (``Engine.stats``):
                 generated_tokens, prompt_tokens, cumulative counts;
                 running, waiting, swapped,      the queue now;
@@ -45,6 +47,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kernels_runtime.telemetry.curves import TrainingCurves
 from kernels_runtime.telemetry.flops import model_shape, training_flops_per_token
 from kernels_runtime.telemetry.publisher import Publisher, Send
 from kernels_runtime.telemetry.split import StepSplitter
@@ -110,6 +113,7 @@ class Telemetry:
         self.pipeline: dict[str, Any] | None = None  # the last pipeline step's, compacted
         self.offload: dict[str, Any] | None = None  # placement figures (``record_offload``)
         self.inference: dict[str, Any] | None = None  # an engine's figures (``record_inference``)
+        self.curves = TrainingCurves()  # train_step's and eval_step's results (``record_train``)
         self._totals = dict.fromkeys(("steps", "tokens", "samples", "flops"), 0)
         self._seconds = dict.fromkeys(("step", "compute", "comm", "waiting"), 0.0)
         self._models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -188,6 +192,23 @@ class Telemetry:
         self.pipeline = None
         self.inference = None
 
+    def new_cell(self) -> None:
+        """A notebook cell starts (the engine's pre-run hook): ``pause``, and the training
+        curves start again at step 1, so each cell's curve is its own run."""
+        self.pause()
+        self.curves.new_cell()
+
+    def record_train(self, loss: float, stepped: bool, grad_norm: float | None,
+                     lr: float | None = None, loss_scale: float | None = None) -> None:
+        """A training step's result (``train_step``'s ``StepResult``, its optimizer's LR and
+        loss scale), published with the next snapshot."""
+        self.curves.record_train(loss, stepped, grad_norm, lr, loss_scale)
+
+    def record_eval(self, loss: float) -> None:
+        """An ``eval_step``'s loss; published with the next snapshot (forced at the cell's
+        end by ``flush``)."""
+        self.curves.record_eval(loss)
+
     def record_offload(self, tiers: dict[str, int], moved: dict[str, int], evictions: int,
                        wait_seconds: float) -> None:
         """One offloading step's placement figures: model-state bytes per tier after it, and
@@ -258,7 +279,7 @@ class Telemetry:
             "memory": memory, "comm": comm, "comm_by_axis": by_axis, "p2p_by_axis": p2p,
             "recent": [asdict(r) for r in window], "pipeline": self.pipeline,
             "offload": self.offload, "inference": self.inference,
-            "publish_errors": self.publisher.errors,
+            "curves": self.curves.block(), "publish_errors": self.publisher.errors,
         }
 
     def maybe_publish(self, force: bool = False) -> bool:
@@ -285,7 +306,8 @@ class Telemetry:
         # an abort frees blocks without a step: the queue and the blocks count as a change
         inferred = tuple(self.inference.get(k) for k in INFERENCE_STATE) if self.inference \
             else ()
-        return (self._totals["steps"], calls, self.disk_spill_bytes, offloaded, inferred)
+        return (self._totals["steps"], calls, self.disk_spill_bytes, offloaded, inferred,
+                self.curves.state())
 
     def _counters(self) -> dict[tuple[str, str], tuple[float, float]]:
         """(op, group) -> cumulative (bytes, blocked seconds), what the step split reads."""

@@ -19,7 +19,9 @@ line and panel and the serving ranks' inference panel; and the endpoint's figure
 serve cell keeps moving while no cell runs (widget updates sent from the kernel's display
 thread reach the browser after their cell ended). The sidebar's Stop then drains the endpoint
 and stops the pool, and the endpoint leaves the sidebar and the page.
-Screenshots go to ``artifacts/browser/`` (7 to 14; the notebook's once the cells are done).
+The pipeline cell's training curves (loss per step) gain points while it runs, under the cell
+and on the dashboard page, and end holding every step.
+Screenshots go to ``artifacts/browser/`` (7 to 16; the notebook's once the cells are done).
 
 One JupyterLab, one notebook and one pool for both tests, as the budget of ``make test`` wants
 (the ``panels`` fixture runs the notebook; each test keeps within its own time); each verdict
@@ -134,6 +136,10 @@ PANELS_JS = """
     const t = plot && (plot.data || []).find(t => t.name === name);
     return t && t.y.length ? Math.max(...t.y) : 0;
   };
+  const losses = plot => {
+    const t = plot && (plot.data || []).find(t => t.name === 'curves: loss');
+    return t ? t.x.length : 0;
+  };
   const kv = plot => {
     const t = plot && (plot.data || []).find(t => t.name === 'KV blocks: used (unshared)');
     return {replicas: t ? [...t.x] : [], used: t ? [...t.y] : [],
@@ -142,6 +148,7 @@ PANELS_JS = """
   };
 """
 RESETS_JS = """
+  window.__curves = [];
   window.__stages = [];
   window.__offload = [];
   window.__inference = [];"""
@@ -173,6 +180,8 @@ PANELS_SAMPLER = """() => {__PANELS__
     const inference = cellOf('"dp=2" --dashboard');
     window.__stages.push({bars: bars(titled(pipeline, 'pipeline stages')),
                           running: !output(pipeline).includes('pipeline trained')});
+    window.__curves.push({losses: losses(titled(pipeline, 'training curves')),
+                          running: !output(pipeline).includes('pipeline trained')});
     window.__offload.push({...disk(titled(offload, 'model state per tier')),
                            running: !output(offload).includes('offloaded ')});
     window.__inference.push({...kv(titled(inference, 'inference engine')),
@@ -184,6 +193,7 @@ PAGE_PANELS_SAMPLER = """() => {__PANELS__
   setInterval(() => {
     const running = document.getElementById('status').dataset.cellRunning === 'true';
     window.__stages.push({bars: bars(shown('stages')), running});
+    window.__curves.push({losses: losses(shown('curves')), running});
     window.__offload.push({...disk(shown('offload')), running});
     window.__inference.push({...kv(shown('inference')), running});
   }, 200);
@@ -263,6 +273,7 @@ def test_stage_timeline_offload_and_inference_panels_while_their_cells_run(panel
         dash.wait_for_function(SHOWN_WHILE_RUNNING, arg="stages", timeout=180 * MS)
         dash.screenshot(path=str(ARTIFACTS / "7-stage-timeline-dashboard-page.png"),
                         full_page=True)
+        dash.locator("#curves").screenshot(path=str(ARTIFACTS / "15-curves-dashboard-page.png"))
         dash.locator("#comm .legendtext", has_text="pp p2p (sent)").wait_for(timeout=10 * MS)
         dash.wait_for_function(SHOWN_WHILE_RUNNING, arg="offload", timeout=180 * MS)
         dash.screenshot(path=str(ARTIFACTS / "9-offload-dashboard-page.png"), full_page=True)
@@ -274,6 +285,22 @@ def test_stage_timeline_offload_and_inference_panels_while_their_cells_run(panel
         page.wait_for_function("el => /\\[\\d+\\]/.test(el.textContent)",
                                arg=last_prompt.element_handle(), timeout=180 * MS)
         wait_for_plot(page, "pp=2 mb=4", "pipeline stages", "8-stage-timeline-notebook.png")
+        curves = page.locator(".jp-CodeCell", has_text="pp=2 mb=4").locator(
+            ".js-plotly-plot", has=page.locator(".gtitle", has_text="training curves"))
+        curves.evaluate("el => el.scrollIntoView({block: 'center'})")
+        # the figure under the ended cell holds every training step
+        curves.evaluate("""el => new Promise((done, fail) => {
+          const t0 = Date.now();
+          const check = () => {
+            const t = (el.data || []).find(t => t.name === 'curves: loss');
+            if (t && t.x.length === 60) { done(); } else if (Date.now() - t0 > 30000) {
+              fail(new Error('curves: loss holds ' + (t ? t.x.length : 0) + ' steps, not 60'));
+            } else { setTimeout(check, 200); }
+          };
+          check();
+        })""")
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(ARTIFACTS / "16-curves-notebook.png"))
         wait_for_plot(page, "offload=static", "model state per tier",
                       "10-offload-notebook.png")
         wait_for_plot(page, '"dp=2" --dashboard', "inference engine",
@@ -294,6 +321,17 @@ def test_stage_timeline_offload_and_inference_panels_while_their_cells_run(panel
         assert on_page and max(on_page) >= 16, f"no stage timeline on the page: {on_page}"
         print(f"while the pipeline cell ran: {len(drawn)} samples with the stage timeline in "
               f"the notebook, {len(on_page)} on the dashboard page")
+
+        # the curves panel (loss per training step) is drawn under the cell while it trains
+        # (and holds all 60 steps after, checked above) and gains points on the page
+        samples = page.evaluate("window.__curves")
+        notebook = sorted({s["losses"] for s in samples if s["running"] and s["losses"] > 0})
+        assert notebook, f"no curves panel under the running cell: {samples[-5:]}"
+        on_page = sorted({s["losses"] for s in dash.evaluate("window.__curves")
+                          if s["running"] and s["losses"] > 0})
+        assert len(on_page) >= 2, f"the page's curves panel did not gain points: {on_page}"
+        print(f"while the pipeline cell ran: loss curve point counts {notebook[:3]}..."
+              f"{notebook[-1:]} in the notebook, {len(on_page)} counts on the dashboard page")
 
         notebook = _on_disk_while_running(page.evaluate("window.__offload"))
         assert notebook, "no offload panel with both ranks on disk under the running cell"

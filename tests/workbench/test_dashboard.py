@@ -283,7 +283,9 @@ def _run_shown(shell, code: str) -> tuple[LiveDashboard, list[int]]:
     def sink(data: dict, final: bool) -> None:
         live(data, final)
         if not final:
-            shown.append(len(live.view.widget.children))
+            # the curves panel (issue 33's) joins any training cell: not counted here
+            shown.append(len([c for c in live.view.widget.children
+                              if c is not live.view.curves_box]))
 
     live.start()  # shown before any step: the main figure alone
     assert live.view.widget.children == (live.view.figure,)
@@ -298,7 +300,8 @@ def test_stage_timeline_appears_while_a_pipeline_cell_runs(shell, tmp_path) -> N
     live, shown = _run_shown(shell, "for step in range(12):\n    pipeline_step(step)\n"
                                     "    time.sleep(0.2)")
     assert 2 in shown, f"the stage timeline never joined the shown dashboard: {shown}"
-    assert live.view.widget.children == (live.view.figure, live.view.stage_figure)
+    assert live.view.widget.children == (live.view.curves_box, live.view.figure,
+                                         live.view.stage_figure)
 
     counters = active_pool(shell).view([0, 1]).apply_sync(_pipeline_counters)
     history, fig = live.history, live.view.stage_figure
@@ -325,7 +328,8 @@ def test_stage_timeline_appears_while_a_pipeline_cell_runs(shell, tmp_path) -> N
     fresh = build_stage_figure(history, widget=False)  # what the report and the lab page draw
     assert [(t.name, t.y, t.base) for t in fresh.data] == [(t.name, t.y, t.base) for t in fig.data]
     report = workbench.show_dashboard(history).to_html(tmp_path / "pipeline.html").read_text()
-    assert report.count("Plotly.newPlot") == 2 and "pipeline stages" in report
+    # the main figure, the training curves (issue 33's) and the stage timeline
+    assert report.count("Plotly.newPlot") == 3 and "pipeline stages" in report
 
     data = trace_data(live.view.figure)
     sent = sum(groups["send"]["pp"]["bytes"] for _, groups, _ in counters)
@@ -358,7 +362,8 @@ def test_offload_panel_joins_while_an_offloading_cell_runs(shell, tmp_path) -> N
     live, shown = _run_shown(shell, "for step in range(12):\n    train_step(model, opt, "
                                     "batch(step))\n    time.sleep(0.2)")
     assert 2 in shown, f"the offload panel never joined the shown dashboard: {shown}"
-    assert live.view.widget.children == (live.view.figure, live.view.offload_figure)
+    assert live.view.widget.children == (live.view.curves_box, live.view.figure,
+                                         live.view.offload_figure)
 
     counters = active_pool(shell).view([0, 1]).apply_sync(_rank_counters)
     data = trace_data(live.view.offload_figure)
@@ -383,7 +388,7 @@ def test_offload_panel_joins_while_an_offloading_cell_runs(shell, tmp_path) -> N
                                          rel=0.25)
     assert data["evictions"][1][-1] == sum(step["evictions"] for step in last) > 0
     report = workbench.show_dashboard(live.history).to_html(tmp_path / "offload.html").read_text()
-    assert report.count("Plotly.newPlot") == 2 and "model state per tier" in report
+    assert report.count("Plotly.newPlot") == 3 and "model state per tier" in report
 
     # a later cell without offload: the ranks' counters stand still, so no panel
     shell.run_cell_magic("colossal", '--plan "dp=2" --no-dashboard',

@@ -1,6 +1,10 @@
 """Live plots of what the ranks publish: memory per tier, communication, throughput, a
 pipeline's stage timeline, an offloading model's state per tier and traffic between tiers, and
-an inference engine's generated tokens/s, queue and KV blocks.
+an inference engine's generated tokens/s, queue and KV blocks; and a training cell's curves
+(loss and eval loss, LR, grad norm per step, ``curves.py``).
+
+A cell that trains is kept as a run (``runs.py``: a run directory with TensorBoard events
+under ``runs/``), and ``workbench.compare`` (``compare.py``) overlays kept runs.
 
 ``%%colossal`` feeds a ``LiveDashboard`` from its waiting loop; ``workbench.show_dashboard()``
 shows the last run afterwards and ``.to_html(path)`` writes a standalone report. plotly is

@@ -16,6 +16,10 @@ figure of its own because a shown widget does not reliably take a new subplot gr
 the output of a running cell detaches the old view with an error), while adding a figure
 next to the shown one is an ordinary widget operation.
 
+Once some rank has run a training step, the curves panel (``curves.py``: loss and eval loss on
+a log axis, learning rate, grad norm, smoothed like TensorBoard's) joins as a figure of its own,
+above the main figure in the notebook.
+
 Likewise, once some rank's model has offloaded during the cell, a figure of its own: model
 state per tier per rank and what moved between tiers per step (``offload.py``); and once some
 rank's inference engine has stepped, another: generated tokens/s, the queue and the KV blocks
@@ -37,6 +41,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from workbench.dashboard.curves import DEFAULT_SMOOTHING, curve_layout, curve_traces
 from workbench.dashboard.endpoint import EndpointHistory, endpoint_layout, endpoint_traces
 from workbench.dashboard.history import RunHistory
 from workbench.dashboard.inference import inference_layout, inference_traces
@@ -201,6 +206,21 @@ def build_inference_figure(history: RunHistory, widget: bool = True) -> go.Figur
 def update_inference_figure(fig: go.Figure, history: RunHistory) -> None:
     """Bring the inference figure up to date in one batch (a second replica adds its line)."""
     _update_panel(fig, history, inference_traces, inference_layout)
+
+
+def build_curve_figure(history: RunHistory, widget: bool = True,
+                       smoothing: float = DEFAULT_SMOOTHING) -> go.Figure | None:
+    """The curves panel (loss and eval loss, LR, grad norm per step, ``curves.py``) as its own
+    figure; None while no rank has published a training step."""
+    return _build_panel(history, lambda h: curve_traces(h.curves, smoothing),
+                        lambda h: curve_layout(h.curves, smoothing), 360, widget)
+
+
+def update_curve_figure(fig: go.Figure, history: RunHistory,
+                        smoothing: float = DEFAULT_SMOOTHING) -> None:
+    """Bring the curves figure up to date in one batch (new steps, or a new smoothing)."""
+    _update_panel(fig, history, lambda h: curve_traces(h.curves, smoothing),
+                  lambda h: curve_layout(h.curves, smoothing))
 
 
 def build_endpoint_figure(endpoint: EndpointHistory, widget: bool = True) -> go.Figure | None:

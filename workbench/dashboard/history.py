@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernels_runtime.telemetry import TELEMETRY_KEY
+from workbench.dashboard.curves import CurveLog
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ def _summary(snapshot: dict[str, Any]) -> dict[str, Any]:
         "p2p_bytes": {axis: c.get("sent", 0) for axis, c in p2p.items()},
         "offload": _offload_counters(snapshot.get("offload")),
         "inference": _inference_queue(snapshot.get("inference")),
+        "train_steps": (snapshot.get("curves") or {}).get("steps", 0),  # this cell's
     }
 
 
@@ -93,9 +95,11 @@ class RunHistory:
     """What one ``%%colossal`` cell's ranks published, as of the last poll."""
 
     def __init__(self, ranks: list[int], *, max_points: int = 600, label: str = "",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 plan: str = "", clock: Callable[[], float] = time.monotonic) -> None:
         self.ranks = list(ranks)
         self.label = label
+        self.plan = plan  # the cell's plan as text (legends of ``compare``), "" if unknown
+        self.wall_started = time.time()
         self.max_points = max_points
         self.clock = clock
         self.started = clock()
@@ -104,6 +108,7 @@ class RunHistory:
         self.points: list[Point] = []
         self._seen: dict[int, tuple] = {}
         self._offload_start: dict[int, int] = {}  # rank -> offload steps when first seen
+        self.curves: dict[int, CurveLog] = {}  # rank -> its training curves (``curves.py``)
 
     @property
     def has_data(self) -> bool:
@@ -125,6 +130,7 @@ class RunHistory:
                 continue
             self._seen[rank], self.latest[rank], new = key, snap, True
             self._offload_start.setdefault(rank, _offload_steps(snap))
+            self.curves.setdefault(rank, CurveLog()).ingest(snap.get("curves"))
         if new:
             ranks = {r: _summary(s) for r, s in self.latest.items()}
             self.points = append_bounded(self.points, Point(self.clock() - self.started, ranks),

@@ -3,7 +3,9 @@
 The main figure is always there; the stage timeline (a pipeline ran), the offload panel (a
 model offloaded) and the inference panel (an engine generated) join it as figures of their own
 once the run has their data, because a shown widget cannot be relayouted into a new subplot
-grid (``figures.py``). A serving endpoint's dashboard (``workbench.serving.display``) has the
+grid (``figures.py``). The curves panel (loss, eval loss, LR, grad norm; ``curves.py``) joins on
+top, with a smoothing slider like TensorBoard's, once some rank has run a training step. A
+serving endpoint's dashboard (``workbench.serving.display``) has the
 endpoint panel on top: requests/s, in flight and KV use of an ``EndpointHistory``."""
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from workbench.dashboard.curves import DEFAULT_SMOOTHING
 from workbench.dashboard.endpoint import EndpointHistory
 from workbench.dashboard.history import RunHistory
 
@@ -23,9 +26,14 @@ class Dashboard:
     ``to_html`` writes a standalone report. plotly is imported on first use, not with the
     magics."""
 
-    def __init__(self, history: RunHistory, endpoint: EndpointHistory | None = None) -> None:
+    def __init__(self, history: RunHistory, endpoint: EndpointHistory | None = None,
+                 smoothing: float = DEFAULT_SMOOTHING) -> None:
         self.history = history
         self.endpoint = endpoint
+        self.smoothing = smoothing
+        self._curves: Any = None
+        self._slider: Any = None
+        self._curves_box: Any = None
         self._endpoint: Any = None
         self._widget: Any = None
         self._stages: Any = None
@@ -41,6 +49,47 @@ class Dashboard:
 
             self._widget = build_figure(self.history, widget=True)
         return self._widget
+
+    @property
+    def curve_figure(self) -> Any:
+        """The live ``FigureWidget`` of the curves panel, or None while no step was trained."""
+        if self._curves is None:
+            from workbench.dashboard.figures import build_curve_figure
+
+            self._curves = build_curve_figure(self.history, widget=True,
+                                              smoothing=self.smoothing)
+        return self._curves
+
+    @property
+    def slider(self) -> Any:
+        """The smoothing slider above the curves (TensorBoard's: 0 is raw, default 0.6)."""
+        if self._slider is None:
+            import ipywidgets
+
+            self._slider = ipywidgets.FloatSlider(
+                value=self.smoothing, min=0.0, max=0.99, step=0.01, description="smoothing",
+                continuous_update=False, readout_format=".2f")
+            self._slider.observe(lambda change: self.set_smoothing(change["new"]), "value")
+        return self._slider
+
+    @property
+    def curves_box(self) -> Any:
+        """The slider over the curves figure, as one child of the shown box (so the curves
+        join a shown dashboard as one new child), or None while no step was trained."""
+        if self._curves_box is None and self.curve_figure is not None:
+            import ipywidgets
+
+            self._curves_box = ipywidgets.VBox((self.slider, self.curve_figure),
+                                               layout=ipywidgets.Layout(width="100%"))
+        return self._curves_box
+
+    def set_smoothing(self, weight: float) -> None:
+        """Smooth the curves with ``weight`` (0 = raw) and redraw them."""
+        from workbench.dashboard import figures
+
+        self.smoothing = float(weight)
+        if self._curves is not None:
+            figures.update_curve_figure(self._curves, self.history, self.smoothing)
 
     @property
     def stage_figure(self) -> Any:
@@ -104,6 +153,8 @@ class Dashboard:
             return
         if self._widget is not None:
             figures.update_figure(self._widget, self.history)
+        if self._curves is not None:
+            figures.update_curve_figure(self._curves, self.history, self.smoothing)
         if self._stages is not None:
             figures.update_stage_figure(self._stages, self.history)
         if self._offload is not None:
@@ -117,9 +168,10 @@ class Dashboard:
         """Builds the figures the run has data for by now; True if one of them is new (the
         new one is built from the current data, so it needs no update)."""
         missing = (self._stages is None, self._offload is None, self._inference is None,
-                   self._endpoint is None)
+                   self._endpoint is None, self._curves is None)
         built = (self.stage_figure is not None, self.offload_figure is not None,
-                 self.inference_figure is not None, self.endpoint_figure is not None)
+                 self.inference_figure is not None, self.endpoint_figure is not None,
+                 self.curve_figure is not None)
         return any(m and b for m, b in zip(missing, built))
 
     def to_figure(self) -> Any:
@@ -130,17 +182,19 @@ class Dashboard:
 
     def to_html(self, path: str | os.PathLike[str], include_plotlyjs: bool | str = True) -> Path:
         """Write a standalone HTML report: the endpoint panel if serving, the main figure,
-        under it the stage timeline if a pipeline ran, the offload panel if a model offloaded
-        and the inference panel if an engine generated; plotly.js is embedded by default so
-        the file opens offline (about 4.5 MB); pass ``include_plotlyjs="cdn"`` for a small file
-        that loads it from the network."""
+        under it the training curves if the cell trained, the stage timeline if a pipeline
+        ran, the offload panel if a model offloaded and the inference panel if an engine
+        generated; plotly.js is embedded by default so the file opens offline (about 4.5 MB);
+        pass ``include_plotlyjs="cdn"`` for a small file that loads it from the network."""
         from workbench.dashboard import figures
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         endpoint = figures.build_endpoint_figure(self.endpoint, widget=False) \
             if self.endpoint is not None else None
-        shown = [f for f in (endpoint, self.to_figure(),
+        curves = figures.build_curve_figure(self.history, widget=False,
+                                            smoothing=self.smoothing)
+        shown = [f for f in (endpoint, self.to_figure(), curves,
                              figures.build_stage_figure(self.history, widget=False),
                              figures.build_offload_figure(self.history, widget=False),
                              figures.build_inference_figure(self.history, widget=False))
@@ -154,7 +208,7 @@ class Dashboard:
         return path
 
     def _figures(self) -> tuple[Any, ...]:
-        top = (self.endpoint_figure,)
+        top = (self.endpoint_figure, self.curves_box)
         extra = (self.stage_figure, self.offload_figure, self.inference_figure)
         return (*(f for f in top if f is not None), self.figure,
                 *(f for f in extra if f is not None))

@@ -13,7 +13,8 @@ telemetry of the running (or last) ``%%colossal`` cell, with its pipeline stage 
 plotly traces when the cell ran a pipeline, its offload panel (model state per tier, bytes
 moved between tiers per step) as plotly traces and layout when a model offloaded, and its
 inference panel (generated tokens/s, the queue, KV blocks per replica) likewise when an engine
-generated. While ``%colossal serve`` serves (no cell runs; ``workbench.serving.display``
+generated, and its curves panel (loss, eval loss, LR, grad norm per training step) when the
+cell trained. While ``%colossal serve`` serves (no cell runs; ``workbench.serving.display``
 writes from a thread), the serving ranks' telemetry stands as the running cell ("serving
 ENGINE at URL") and an ``endpoint`` block holds the endpoint: its address, state or failure,
 requests/s, in flight, the engines' queue and KV blocks, and its panel as plotly traces; None
@@ -40,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from workbench.dashboard.curves import curve_layout, curve_traces
 from workbench.dashboard.endpoint import EndpointHistory
 from workbench.dashboard.history import RunHistory, collective_bytes
 from workbench.dashboard.inference import inference_layout, inference_traces
@@ -114,6 +116,9 @@ def _cell_block(history: RunHistory, running: bool) -> dict[str, Any]:
         "stages": _stages_block(history),
         "offload": _panel_block(history, offload_traces, offload_layout),
         "inference": _panel_block(history, inference_traces, inference_layout),
+        # loss, eval loss, LR, grad norm per step; the page's slider smooths the raw traces
+        "curves": _panel_block(history, lambda h, last: curve_traces(h.curves, last=last),
+                               lambda h: curve_layout(h.curves)),
     }
 
 

@@ -8,7 +8,9 @@
 // traces (workbench/dashboard/timeline.py, offload.py and inference.py build them for the
 // notebook's figures too), so this page only lays them out. While `%colossal serve` serves, the
 // pool's endpoint (its line, and its panel: requests/s, in flight, KV use; endpoint.py) stands
-// on top and the serving ranks' telemetry is the running cell.
+// on top and the serving ranks' telemetry is the running cell. A cell that trains has the curves
+// panel on top (loss and eval loss on a log axis, LR, grad norm; curves.py), its smoothed
+// traces smoothed again here from their raw ones as the slider moves (TensorBoard's EMA).
 (function () {
   'use strict';
   const cfg = window.COLOSSAL;
@@ -71,6 +73,8 @@
     }));
     Plotly.react('comm', comm, layout('bytes communicated per axis', 'bytes',
       { xaxis: { title: { text: 'seconds into the cell' } } }), plotConfig);
+    lastCurves = cell ? cell.curves : null;
+    renderCurves();
     renderStages(cell ? cell.stages : null);
     renderPanel('offload', cell ? cell.offload : null);
     renderPanel('inference', cell ? cell.inference : null);
@@ -87,6 +91,40 @@
     status.dataset.state = doc.state;
     status.dataset.points = String(series.t.length);
     status.dataset.cellRunning = cell && cell.running ? 'true' : 'false';
+  }
+
+  // TensorBoard's smoothing: an exponential moving average, debiased (curves.py's smooth).
+  function smooth(values, weight) {
+    let last = 0, n = 0;
+    return values.map(v => {
+      if (!Number.isFinite(v)) { return v; }
+      last = last * weight + (1 - weight) * v; n += 1;
+      return last / (1 - Math.pow(weight, n));
+    });
+  }
+
+  let lastCurves = null;
+  const slider = document.getElementById('smoothing');
+  slider.addEventListener('input', () => {
+    document.getElementById('smoothing-value').textContent = Number(slider.value).toFixed(2);
+    renderCurves();
+  });
+
+  // The curves panel with the slider's smoothing; hidden (with the slider) when no step trained.
+  function renderCurves() {
+    const panel = lastCurves;
+    document.getElementById('smoothing-box').hidden = !panel;
+    if (!panel) { renderPanel('curves', null); return; }
+    const weight = Number(slider.value);
+    const raw = {};
+    panel.traces.forEach(t => { raw[t.name] = t; });
+    const traces = panel.traces.map(t => (t.meta && t.meta.smooth_of && raw[t.meta.smooth_of])
+      ? Object.assign({}, t, { y: smooth(raw[t.meta.smooth_of].y, weight) }) : t);
+    const title = panel.title.replace(/smoothing [0-9.]+/, 'smoothing ' + weight.toFixed(2));
+    renderPanel('curves', Object.assign({}, panel, {
+      traces: traces, title: title,
+      layout: Object.assign({}, panel.layout, { title: { text: title, font: { size: 14 } } })
+    }));
   }
 
   // The pipeline stage timeline: one row per pipeline rank; hidden when no pipeline ran.
