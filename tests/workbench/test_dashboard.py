@@ -10,6 +10,9 @@ per forward and backward labelled by micro-batch where the rank's own published 
 says, the receive waits as idle bars and each rank's bubble in the title, and the pipeline's
 point-to-point bytes as their own "p2p: pp" line equal to the sends the ranks counted; the
 report holds the timeline too. A run without a pipeline has no stage timeline and no p2p line.
+A training cell keeps its run: TensorBoard's own ``EventAccumulator`` reads from the run
+directory exactly the losses the cell returned (float32 scalars would round them), the curves
+panel draws them, and ``compare`` draws the run from its directory alone.
 Once a model offloads (real ``Telemetry.record_offload``, and a real dp=2 zero=2 model with
 its whole state on disk) the dashboard gains the offload panel: its bars are each rank's
 published model-state bytes per tier, its per-step series the differences of the cumulative
@@ -23,15 +26,12 @@ import pytest
 from ipyparallel import interactive
 
 import workbench
-from kernels_runtime.telemetry import TELEMETRY_KEY, Telemetry
-from workbench.dashboard import LiveDashboard, RunHistory
+from workbench.dashboard import LiveDashboard, runs
+from workbench.dashboard.compare import read_run_dir
 from workbench.dashboard.figures import (
-    build_figure,
-    build_offload_figure,
     build_stage_figure,
     trace_data,
 )
-from workbench.dashboard.offload import offload_traces
 from workbench.execution import run_cell
 from workbench.magics import active_magics, active_pool
 
@@ -97,118 +97,6 @@ def _pipeline_counters() -> tuple[dict, dict, dict]:
     g = globals()
     return (g["session"].telemetry.last_published, g["comm"].stats.snapshot(),
             g["model"].parallel_state.schedule.last_timeline)
-
-
-def _snapshot(steps: int, rank: int, axis_bytes: int = 100) -> dict:
-    return {TELEMETRY_KEY: {
-        "seq": steps, "time": 1.0 + steps, "steps": steps,
-        "seconds": {"step": 1.0 * steps, "compute": 0.5 * steps, "comm": 0.25 * steps,
-                    "waiting": 0.25 * steps},
-        "throughput": {"tokens_per_s": 10.0 * rank + steps, "samples_per_s": 1.0,
-                       "flops_per_s": 1e9},
-        "memory": {"device_allocated": 0, "host_rss": 1000 + rank, "disk_spill": 7},
-        "comm_by_axis": {"dp": {"calls": steps, "bytes": axis_bytes * steps}},
-    }}
-
-
-# ---- notebook side only ------------------------------------------------------------------
-def test_history_keeps_new_points_only_and_stays_bounded() -> None:
-    history = RunHistory([0, 1], max_points=10)
-    assert history.ingest({0: _snapshot(1, 0), 1: {}})
-    assert not history.ingest({0: _snapshot(1, 0), 1: {}})  # same snapshot polled again
-    for step in range(2, 50):
-        history.ingest({0: _snapshot(step, 0), 1: _snapshot(step, 1)})
-    assert len(history.points) <= 10
-    assert history.points[-1].ranks[1]["tokens_per_s"] == 10.0 + 49
-    assert history.times() == sorted(history.times())
-    assert history.comm_bytes("dp")[-1] == 2 * 100 * 49
-
-
-def test_figure_values_are_the_snapshots_values() -> None:
-    history = RunHistory([0, 1])
-    history.ingest({0: _snapshot(3, 0), 1: _snapshot(3, 1)})
-    data = trace_data(build_figure(history, widget=False))
-    assert data["memory: host"] == (["rank 0", "rank 1"], [1000, 1001])
-    assert data["memory: disk"][1] == [7, 7]
-    assert data["time: compute"][1] == [1.5, 1.5] and data["time: waiting"][1] == [0.75, 0.75]
-    assert data["comm: dp"][1] == [600]
-    assert data["tokens/s: rank 1"][1] == [13.0]
-
-
-def test_dashboard_modes_decide_when_it_is_shown() -> None:
-    clock = [0.0]
-    shown: dict[str, list] = {}
-    for mode in ("auto", "on", "off"):
-        shown[mode] = []
-        live = LiveDashboard([0], mode=mode, display=shown[mode].append, clock=lambda: clock[0])
-        clock[0] = 0.0
-        live.start()
-        clock[0] = 1.0
-        live({0: _snapshot(1, 0)}, False)
-        assert len(shown[mode]) == (1 if mode == "on" else 0), mode
-        clock[0] = 2.5
-        live({0: _snapshot(2, 0)}, False)
-        assert len(shown[mode]) == (0 if mode == "off" else 1), mode
-        assert live.history.has_data  # kept in every mode, for workbench.show_dashboard()
-    quick = LiveDashboard([0], display=shown["auto"].append, clock=lambda: clock[0])
-    quick({0: {}}, True)  # a cell that published nothing is never shown
-    assert len(shown["auto"]) == 1
-
-
-def _offloading_steps(tels: list[Telemetry], step: int, repeat: int = 1) -> list[dict]:
-    """``repeat`` offloading steps on every rank; returns each rank's published snapshot."""
-    for _ in range(repeat):
-        for rank, tel in enumerate(tels):
-            tel.record_offload({"device": 64 * rank, "host": 1000 * step, "disk": 5000 + rank},
-                               {"host->disk": 300 + step + rank, "disk->host": 200},
-                               evictions=2 + rank, wait_seconds=0.01 * (rank + 1))
-    return [{**tel.snapshot(), "seq": step} for tel in tels]
-
-
-def _per_step(counters: list[list[dict]], name: str) -> list[float]:
-    """Per poll: the difference of each rank's cumulative counter (a trace's name says which)
-    from the previous poll, over its offloading steps in between, summed over ranks."""
-    def count(block: dict) -> float:
-        return block["evictions"] if name == "evictions" else block["moved"].get(
-            name.removeprefix("moved: "), 0)
-
-    return [sum((count(now) - count(before)) / (now["steps"] - before["steps"])
-                for now, before in zip(counters[k], counters[k - 1]))
-            for k in range(1, len(counters))]
-
-
-def test_offload_panel_is_the_placement_and_the_differences_of_the_counters() -> None:
-    tels, history = [Telemetry(), Telemetry()], RunHistory([0, 1])
-    history.ingest({r: {TELEMETRY_KEY: {**tel.snapshot(), "seq": 0}}
-                    for r, tel in enumerate(tels)})
-    assert build_offload_figure(history, widget=False) is None  # no offload yet: no panel
-    published = []
-    for step, repeat in ((1, 1), (2, 1), (3, 3), (4, 1)):  # 3 steps between two polls once
-        published.append(_offloading_steps(tels, step, repeat))
-        history.ingest({r: {TELEMETRY_KEY: snap} for r, snap in enumerate(published[-1])})
-    fig = build_offload_figure(history, widget=False)
-    data = trace_data(fig)
-    for tier in ("device", "host", "disk"):
-        assert data[f"model state: {tier}"] == (
-            ["rank 0", "rank 1"], [snap["offload"]["tiers"][tier] for snap in published[-1]])
-    zero = {"moved": {}, "evictions": 0, "steps": 0}  # before the first record: no block
-    counters = [[zero, zero]] + [[s["offload"] for s in snaps] for snaps in published]
-    for name in ("moved: host->disk", "moved: disk->host", "evictions"):
-        assert data[name][1] == pytest.approx(_per_step(counters, name)), name
-    assert data["moved: host->disk"][1] == [603, 605, 607, 609]  # 300 + step + rank, per rank
-    assert [t.name for t in fig.data] == list(data)  # unique names, each with its prefix
-    assert all(n.startswith(("model state: ", "moved: ", "evictions")) for n in data)
-    last = [s["offload"]["last_step"] for s in published[-1]]
-    assert fig.layout.title.text == (
-        f"model state per tier · {sum(sum(s['moved'].values()) for s in last)} B moved last "
-        f"step · {sum(s['evictions'] for s in last)} evictions/step · "
-        f"{sum(s['wait_seconds'] for s in last):.3f} s waited (all ranks)")
-
-    later = RunHistory([0, 1])  # a later cell without offload: the counters stand still
-    for seq in (10, 11):
-        later.ingest({r: {TELEMETRY_KEY: {**tel.snapshot(), "seq": seq}}
-                      for r, tel in enumerate(tels)})
-    assert offload_traces(later) == {} and build_offload_figure(later) is None
 
 
 # ---- real engines ------------------------------------------------------------------------
@@ -396,3 +284,57 @@ def test_offload_panel_joins_while_an_offloading_cell_runs(shell, tmp_path) -> N
                                  "    time.sleep(0.2)\n")
     assert workbench.show_dashboard().history.latest[0]["offload"] == counters[0][0]["offload"]
     assert workbench.show_dashboard().offload_figure is None
+
+
+RUNS_CELL = """
+import torch
+from kernels_runtime.api import eval_step, parallelize, train_step
+from kernels_runtime.mesh.context import ParallelContext
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
+model, opt = parallelize(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                         ctx=ParallelContext.build(plan, comm), verbose=False)
+
+def loss_fn(m, batch):
+    return torch.nn.functional.cross_entropy(m(batch[0]).flatten(0, 1), batch[1].flatten())
+
+def batch(step):
+    g = torch.Generator().manual_seed(2 * step + rank)
+    ids = torch.randint(0, 64, (4, 8), generator=g)  # (b, s)
+    return [(ids, ids)]
+
+losses = [train_step(model, opt, batch(step), loss_fn).loss for step in range(5)]
+evaluated = eval_step(model, batch(99), loss_fn)
+"""
+
+
+def _read_losses(path) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    events = EventAccumulator(str(path), size_guidance={"tensors": 0})
+    events.Reload()
+    return [tensor_util.make_ndarray(e.tensor_proto).item() for e in events.Tensors("train/loss")]
+
+
+@pytest.mark.engines
+def test_a_training_cell_keeps_its_run_read_back_exactly(shell) -> None:
+    before = len(runs.SESSION_RUNS)
+    shell.run_cell_magic("colossal", '--plan "dp=2 zero=1" --dashboard --pull losses,evaluated',
+                         RUNS_CELL)
+    assert len(runs.SESSION_RUNS) == before + 1
+    kept = runs.SESSION_RUNS[-1]
+    losses = shell.user_ns["losses"]
+    path = kept.wait()
+    assert path is not None and (path / "run.json").is_file()
+    assert _read_losses(path) == losses  # exact: the floats the cell returned
+    curves = trace_data(workbench.show_dashboard().curve_figure)
+    assert curves["curves: loss"] == (list(range(1, 6)), losses)
+    assert curves["curves: eval loss"] == ([5], [shell.user_ns["evaluated"]])
+    assert kept.plan == "dp=2 zero_stage=1"
+    # after a restart only the directory is left: compare reads it with the plan in the legend
+    fig = workbench.compare(path, -1)
+    assert [t.name for t in fig.data if t.showlegend is not False] == [
+        "dp=2 zero_stage=1 (#1)", "dp=2 zero_stage=1 (#2)"]
+    assert read_run_dir(path).loss == (list(range(1, 6)), losses)
