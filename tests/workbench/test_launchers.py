@@ -127,3 +127,16 @@ def test_local_engines_are_forked_from_one_process_with_a_device_each():
     launcher.n = 4
     assert launcher.find_args() == ["py", "-m", "workbench.engine", "--workbench-fork=4",
                                     "--workbench-devices=0,1"]
+
+
+def test_local_ranks_stay_on_the_gpus_this_process_was_given(monkeypatch):
+    """A hub's spawner gave this server GPU 3 only: its ranks get "3", never "0" (someone
+    else's); without a list of its own, ranks count from 0."""
+    from workbench.ranks import rank_devices
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert rank_devices(1) == ["3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f2a, 5")
+    assert rank_devices(2) == ["GPU-8f2a", "5"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert rank_devices(2) == ["0", "1"]
