@@ -34,7 +34,8 @@ demo: $(STAMP)
 #                 notebooks, the browser, 4-rank cases; not the full tier
 #   test-full     the 8-rank matrix, the multi-node daemons (Slurm, SSH, MPI), notebooks at
 #                 their full size (~20 min)
-#   test-bench    the benchmarks' --quick runs on real ranks and the real model (~5 min)
+#   test-bench    the benchmarks on real ranks: their --quick runs and the rank side of their
+#                 formulas (tests/bench/ marked slow or full; ~8 min)
 #   test-install  Binder's install steps in a fresh virtualenv, then the quickstart there (~4 min)
 # .ci/run runs test, test-full, test-bench, test-install and test-hub.
 SHELL := /bin/bash
@@ -55,7 +56,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	@mkdir -p $(RESULTS)
 	WORKBENCH_TEST_TIER=test $(PYTEST) --junitxml=$(RESULTS)/test.xml \
-		-m "not full and not install" | tee $(RESULTS)/test.log | $(QUIET); \
+		-m "not full and not install and not bench" | tee $(RESULTS)/test.log | $(QUIET); \
 		status=$$?; $(REPORT) test; exit $$status
 
 test-full: $(STAMP)

@@ -1,9 +1,10 @@
-"""The benchmarks' ``--quick`` runs of the full tier form their own tier, ``make test-bench``.
+"""The benchmarks' runs on real ranks form their own tier, ``make test-bench``.
 
-Every test here marked ``full`` is also marked ``bench``: ``make test-full`` leaves those out
-and ``make test-bench`` runs them (``.ci/run`` runs both), so the full tier's 8-rank matrix,
-daemons and notebooks keep their budget while the benchmarks stay in CI. Benchmark tests of
-``make test`` (``slow``) stay there.
+Every test here marked ``full`` or ``slow`` (a ``--quick`` run, or the rank side of a
+benchmark's formulas) is also marked ``bench``: ``make test`` and ``make test-full`` leave those
+out and ``make test-bench`` runs them (``.ci/run`` runs all three), so the user-facing tiers
+keep their budgets while every benchmark stays in CI. The benchmarks' unit tests (formulas,
+tables, no ranks) stay in ``make test-fast``.
 """
 
 from __future__ import annotations
@@ -17,5 +18,5 @@ HERE = Path(__file__).parent
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if HERE in Path(item.path).parents and item.get_closest_marker("full"):
+        if HERE in Path(item.path).parents and (item.get_closest_marker("full") or item.get_closest_marker("slow")):
             item.add_marker(pytest.mark.bench)
