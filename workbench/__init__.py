@@ -7,12 +7,12 @@ ipyparallel; it never touches torch.distributed itself.
 from typing import Any
 
 from kernels_runtime._lazy import lazy_module as _lazy_module
+from workbench.cells.rank_fit import RankFit, fit_ranks
 from workbench.errors import PoolError, RankFailureError
 from workbench.lab.state import PoolStateFile
 from workbench.planner import recommend as recommend  # re-export: workbench.recommend(...)
-from workbench.pool import Pool, RankStatus
-from workbench.pool_state import publish_pool_state_with
-from workbench.rank_fit import RankFit, fit_ranks
+from workbench.pool.pool import Pool, RankStatus
+from workbench.pool.state import publish_pool_state_with
 from workbench.version import __version__ as __version__
 
 # The ui registers itself with the layer below: every Pool publishes its state to the file the

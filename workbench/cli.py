@@ -25,7 +25,7 @@ Example: workbench run nb.ipynb -p STEPS=1000 --launcher slurm --controller-ip 1
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from workbench.notebook_runner import ParameterError, parse_parameter, run_notebook
-    from workbench.start_options import to_line
+    from workbench.pool.start_options import to_line
 
     try:
         parameters = dict(parse_parameter(p) for p in getattr(args, "parameters", None) or [])
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("-p", "--parameter", action="append", dest="parameters", default=[],
                      metavar="NAME=VALUE", help="repeatable: set a variable of the cell tagged "
                      "'parameters' (papermill's convention), e.g. -p STEPS=20")
-    from workbench.start_options import add_launch_options
+    from workbench.pool.start_options import add_launch_options
 
     pool = run.add_argument_group(
         "the notebook's pool", "applied to its %colossal start line(s), over their own values")

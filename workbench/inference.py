@@ -19,11 +19,11 @@ from typing import Any
 
 from IPython.display import display
 
+from workbench.cells.execution import run_cell
 from workbench.dashboard import LiveDashboard
 from workbench.errors import PoolError
-from workbench.execution import run_cell
 from workbench.inference_calls import GENERATION_KEY
-from workbench.pool import Pool
+from workbench.pool.pool import Pool
 
 _ARGS, _OUT = "_workbench_generate_args", "_workbench_generate_outputs"
 

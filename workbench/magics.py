@@ -22,15 +22,15 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import publish_display_data
 
 from kernels_runtime.mesh.plan import Plan, PlanError
-from workbench import engine_calls
-from workbench.background import BackgroundCell
+from workbench.cells.background import BackgroundCell
+from workbench.cells.execution import cell_label, run_cell
 from workbench.dashboard import LiveDashboard, RunHistory, preload
 from workbench.errors import PoolError
-from workbench.execution import cell_label, run_cell
-from workbench.pool import Pool
-from workbench.ranks import tp_groups_within_hosts
+from workbench.pool import rank_calls
+from workbench.pool.pool import Pool
+from workbench.pool.ranks import tp_groups_within_hosts
+from workbench.pool.start_options import LAUNCH_OPTIONS, with_env_options
 from workbench.serving.magic import guard_cell, resume_after_restart, serve_command
-from workbench.start_options import LAUNCH_OPTIONS, with_env_options
 
 POOL_COMMANDS = ("start", "stop", "restart", "status")
 
@@ -44,7 +44,7 @@ def _timeout_arg(f):
 
 
 def _pool_args(f):
-    # the launch options are shared with ``workbench run`` (workbench.start_options)
+    # the launch options are shared with ``workbench run`` (workbench.pool.start_options)
     for arg in reversed([
         argument("command", nargs="?", default="status", choices=POOL_COMMANDS),
         *(argument(*flags, **settings) for flags, settings in LAUNCH_OPTIONS),
@@ -308,7 +308,7 @@ class ColossalMagics(Magics):
             values: dict[str, Any] = {}
             if pulls:
                 engine = pool.client[pool.engine_ids[ranks[0]]]
-                values = engine.apply_async(engine_calls.pull_names, pulls).get()
+                values = engine.apply_async(rank_calls.pull_names, pulls).get()
                 self.shell.user_ns.update(values)
             return values
 
@@ -321,7 +321,7 @@ class ColossalMagics(Magics):
     def _send_plan(self, plan: Plan, ranks: list[int]) -> None:
         key = (plan, tuple(ranks), tuple(self.pool.engine_ids))  # type: ignore[union-attr]
         if key != self._sent_plan:
-            self.pool.view(ranks).apply_sync(engine_calls.set_plan, plan)  # type: ignore
+            self.pool.view(ranks).apply_sync(rank_calls.set_plan, plan)  # type: ignore
             self._sent_plan = key
 
 

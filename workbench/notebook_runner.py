@@ -8,7 +8,7 @@ Parameters work as papermill's do, so a notebook becomes an unattended job: the 
 assigning the new values inserted right after it (tagged ``injected-parameters``).
 
 ``start_options`` (``workbench run --launcher slurm -n 4 ...``) reach the kernel's
-``%colossal start`` through ``$WORKBENCH_START_OPTIONS`` (``workbench.start_options``), so one
+``%colossal start`` through ``$WORKBENCH_START_OPTIONS`` (``workbench.pool.start_options``), so one
 notebook runs on any launcher unedited. With ``save_to``, the last ``%%colossal`` cell's
 dashboard is written beside the executed notebook as a standalone report (``NAME.report.html``,
 ``Dashboard.to_html``) by one more cell, run in the same kernel after the notebook's last and
@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import nbformat
 from nbclient import NotebookClient
 
-from workbench.start_options import ENV as START_OPTIONS_ENV
+from workbench.pool.start_options import ENV as START_OPTIONS_ENV
 
 # run after the notebook's cells in its kernel: the dashboard of the last %%colossal cell
 REPORT_CELL = """import workbench as _workbench

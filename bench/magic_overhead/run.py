@@ -6,8 +6,8 @@
    rank) against ``python -c "import torch.distributed"``, the floor any launcher pays per
    process (aim: ratio <= 3). Each start is measured beside its own baseline, rounds
    interleaved, so load from elsewhere hits both; the median and the spread are printed.
-   Engines import torch while the controller starts (``workbench.engine``), so on a machine
-   with fewer cores than ranks the floor is the ranks' imports sharing those cores.
+   Engines import torch while the controller starts (``workbench.pool.rank_process``), so on a
+   machine with fewer cores than ranks the floor is the ranks' imports sharing those cores.
 """
 
 from __future__ import annotations

@@ -110,8 +110,8 @@ async def _load(url: str, key: str, prompts: list, lengths: list, timeout_s: flo
 
 
 def run(spec: dict, ranks: int, rounds: int) -> dict:
-    from workbench.execution import run_cell
-    from workbench.pool import Pool
+    from workbench.cells.execution import run_cell
+    from workbench.pool.pool import Pool
     from workbench.serving.server import Server, free_port
 
     prompts, lengths = workload(spec)

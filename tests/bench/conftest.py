@@ -18,5 +18,6 @@ HERE = Path(__file__).parent
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if HERE in Path(item.path).parents and (item.get_closest_marker("full") or item.get_closest_marker("slow")):
+        ranked = item.get_closest_marker("full") or item.get_closest_marker("slow")
+        if ranked and HERE in Path(item.path).parents:
             item.add_marker(pytest.mark.bench)

@@ -26,13 +26,13 @@ import pytest
 from ipyparallel import interactive
 
 import workbench
+from workbench.cells.execution import run_cell
 from workbench.dashboard import LiveDashboard, runs
 from workbench.dashboard.compare import read_run_dir
 from workbench.dashboard.figures import (
     build_stage_figure,
     trace_data,
 )
-from workbench.execution import run_cell
 from workbench.magics import active_magics, active_pool
 
 from helpers.reports import report_traces

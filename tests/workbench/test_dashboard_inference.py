@@ -24,10 +24,10 @@ from ipyparallel import interactive
 
 import workbench
 from kernels_runtime.telemetry import TELEMETRY_KEY, Telemetry
+from workbench.cells.execution import run_cell
 from workbench.dashboard import Dashboard, RunHistory
 from workbench.dashboard.figures import build_inference_figure, trace_data
 from workbench.dashboard.inference import inference_traces, replicas
-from workbench.execution import run_cell
 from workbench.magics import active_pool
 
 from helpers.reports import report_traces

@@ -252,7 +252,7 @@ def test_noblock_returns_at_once_trains_on_and_hands_back_its_pulls(shell):
     """``--noblock`` returns a handle while the ranks train; the next cell runs meanwhile, the
     dashboard's history gains points, ``wait()`` gives the pulled values; ``interrupt()``
     stops a second run early and the pool runs cells again."""
-    from workbench.background import BackgroundCell
+    from workbench.cells.background import BackgroundCell
 
     shell.user_ns["STEPS"] = 15
     handle = cell(shell, '--plan "dp=2" --noblock --push STEPS --pull steps', NOBLOCK_TRAINING)

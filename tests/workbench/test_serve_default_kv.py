@@ -27,7 +27,7 @@ def _earlier_pools_gone(timeout_s: float = 90.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         left = [p for p in psutil.process_iter(["cmdline"])
-                if "workbench.engine" in " ".join(p.info["cmdline"] or [])]
+                if "workbench.pool.rank_process" in " ".join(p.info["cmdline"] or [])]
         if not left:
             return
         time.sleep(1.0)

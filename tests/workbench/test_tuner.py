@@ -226,7 +226,7 @@ def test_grid_trials_are_rows_with_the_runtimes_answer():
     """2D and 2.5D plans on 8 ranks, predicted with the grid terms and sent to the ranks like
     any trial; both run, each held to the predicted memory (a refused plan's row and the pool
     staying usable after it: test_failed_trial_is_a_row_and_the_pool_still_works)."""
-    from workbench.pool import Pool
+    from workbench.pool.pool import Pool
 
     with Pool(n=8) as pool:
         tuner = Tuner(GRID_SPEC, pool=pool, hardware="H100", plan="tp=8 tp_mode=2.5d tp_depth=2")

@@ -16,7 +16,7 @@ The layer map, lowest first, and the packages it becomes when the flat files mov
   Slurm, the reaper, the calls engines run (``pool/``).
 - ``cells``: running a cell on the ranks and explaining its failures (``cells/``).
 - ``ui``: drawing what ranks publish, in the notebook (``dashboard/``) and for the JupyterLab
-  server (``lab/``); the ui registers itself with the pool (``workbench.pool_state``), the
+  server (``lab/``); the ui registers itself with the pool (``workbench.pool.state``), the
   pool never imports it (``ui/``).
 - ``serving``: an HTTP endpoint over ranks; its display draws with the dashboard
   (``serving/``).
@@ -56,10 +56,8 @@ ROOT = Path(workbench.__file__).parent.parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("version", "errors", "_async", "models")),
     ("planner", ("planner",)),
-    ("pool", ("pool", "pool_status", "pool_state", "pool_cleanup", "world", "ranks",
-              "launchers", "slurm", "engine", "forked_engines", "engine_calls", "reaper",
-              "start_options")),
-    ("cells", ("execution", "background", "oom_hint", "rank_fit")),
+    ("pool", ("pool",)),
+    ("cells", ("cells",)),
     ("ui", ("dashboard", "lab")),
     ("serving", ("serving",)),
     ("front", ("", "magics", "magic_completion", "inference", "inference_calls", "tuner",
@@ -125,7 +123,7 @@ def test_the_check_catches_an_injected_upward_import(tmp_path):
     """A pool that imports the lab (module level) and an error module that imports the magics
     inside a function are both reported with file and line; downward imports are not."""
     root = _synthetic(tmp_path, {
-        "workbench/__init__.py": "from workbench.pool import Pool\n",
+        "workbench/__init__.py": "from workbench.pool.pool import Pool\n",
         "workbench/errors.py": """\
             class PoolError(Exception):
                 pass
@@ -135,23 +133,23 @@ def test_the_check_catches_an_injected_upward_import(tmp_path):
                 from workbench.magics import active_pool  # upward, hidden in a function
                 return active_pool
             """,
-        "workbench/pool.py": "from workbench.errors import PoolError\n"
+        "workbench/pool/pool.py": "from workbench.errors import PoolError\n"
                              "from workbench.lab.state import PoolStateFile\n",
-        "workbench/magics.py": "from workbench.pool import Pool\n",
+        "workbench/magics.py": "from workbench.pool.pool import Pool\n",
         "workbench/lab/__init__.py": "",
-        "workbench/lab/state.py": "from workbench.pool_state import rank_row\n",
-        "workbench/pool_state.py": "",
+        "workbench/lab/state.py": "from workbench.pool.state import rank_row\n",
+        "workbench/pool/state.py": "",
     })
     problems = upward_imports(root)
     assert problems == [
         "workbench/errors.py:6: workbench.errors (base) imports workbench.magics (front), a "
         "layer above",
-        "workbench/pool.py:2: workbench.pool (pool) imports workbench.lab.state (ui), a layer "
-        "above",
+        "workbench/pool/pool.py:2: workbench.pool.pool (pool) imports workbench.lab.state (ui), "
+        "a layer above",
     ], problems
     assert cycles(import_graph(root, ["workbench"])) == [["workbench.errors",
                                                           "workbench.magics",
-                                                          "workbench.pool"]]
+                                                          "workbench.pool.pool"]]
 
 
 def test_an_unmapped_module_is_named(tmp_path):
@@ -202,7 +200,7 @@ def test_the_pool_publishes_to_the_publisher_the_layer_above_gives_it():
     """The pool never imports the lab: by default it publishes to the factory the package
     registered (the lab's state file), and to any publisher passed as ``state=``."""
     from workbench.lab.state import PoolStateFile
-    from workbench.pool import Pool
+    from workbench.pool.pool import Pool
 
     assert isinstance(Pool(2, publish_state=False).state, PoolStateFile)
     recorder = _Recorder()

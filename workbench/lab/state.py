@@ -47,8 +47,8 @@ from workbench.dashboard.history import RunHistory, collective_bytes
 from workbench.dashboard.inference import inference_layout, inference_traces
 from workbench.dashboard.offload import offload_layout, offload_traces
 from workbench.dashboard.timeline import stage_axes, stage_title, stage_traces
-from workbench.pool_state import rank_row as rank_row  # re-exported: the file's rank rows
-from workbench.pool_state import tiers as _tiers
+from workbench.pool.state import rank_row as rank_row  # re-exported: the file's rank rows
+from workbench.pool.state import tiers as _tiers
 
 log = logging.getLogger("workbench.lab.state")
 
@@ -150,7 +150,7 @@ def _panel_block(history: RunHistory, traces: Callable[..., dict[str, dict[str, 
 class PoolStateFile:
     """The kernel side: keeps one pool's document and writes it on every change.
 
-    It is the pool's ``workbench.pool_state.StatePublisher`` (registered by
+    It is the pool's ``workbench.pool.state.StatePublisher`` (registered by
     ``workbench/__init__.py``), so neither the pool nor the cell runner imports this module.
 
     Never raises: a full disk or a read-only runtime dir must not fail a pool or a cell.

@@ -82,7 +82,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from kernels_runtime.mesh.plan import PlanError
     from workbench.errors import PoolError, RankFailureError
-    from workbench.pool import Pool
+    from workbench.pool.pool import Pool
     from workbench.serving import fit
     from workbench.serving.server import check_port
 
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(pool: Any, folder: Path, plan: str, args: argparse.Namespace) -> Any:
     """Build the engine on every rank under ``plan`` and start the endpoint in front of it."""
-    from workbench.execution import run_cell
+    from workbench.cells.execution import run_cell
     from workbench.serving.keys import new_key
     from workbench.serving.server import Server
 
@@ -170,10 +170,10 @@ def lora_modules(given: list[str], model_name: str) -> dict[str, str]:
 
 
 def _rank_memory(pool: Any) -> list[dict[str, Any]]:
-    """Each rank's memory (``engine_calls.rank_memory``), in rank order."""
-    from workbench import engine_calls
+    """Each rank's memory (``rank_calls.rank_memory``), in rank order."""
+    from workbench.pool import rank_calls
 
-    return pool.view().apply_async(engine_calls.rank_memory).get(timeout=60)
+    return pool.view().apply_async(rank_calls.rank_memory).get(timeout=60)
 
 
 def _fail(message: str, code: int = 2) -> int:

@@ -66,7 +66,7 @@ def requested(plan_text: str | None, pool_size: int | None,
 
 def rank_capacity(ranks: list[dict[str, Any]]) -> int | None:
     """The memory the smallest rank has for a model: its device's, or for a CPU rank its host's
-    available memory shared with the other ranks on that host (``engine_calls.rank_memory``
+    available memory shared with the other ranks on that host (``rank_calls.rank_memory``
     of each rank)."""
     per_host = Counter(r["host"] for r in ranks)
     sizes = [r["device"] if r["device"] is not None

@@ -20,9 +20,9 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from workbench import engine_calls
-from workbench.execution import run_cell
+from workbench.cells.execution import run_cell
 from workbench.planner.cost_model import Prediction, plan_label
+from workbench.pool import rank_calls
 
 RESULT_NAME = "_workbench_trial"
 
@@ -84,7 +84,7 @@ def measure(pool: Any, prediction: Prediction, hardware: str, *, steps: int = 3,
              display=lambda *_: None, timeout_s=timeout_s)
     view = pool.view()
     try:
-        results = view.apply_async(engine_calls.pull_names, [RESULT_NAME]).get(timeout=30)
+        results = view.apply_async(rank_calls.pull_names, [RESULT_NAME]).get(timeout=30)
     finally:
         view.execute(f"globals().pop({RESULT_NAME!r}, None)", block=True)
     per_rank = [r[RESULT_NAME] for r in results]

@@ -16,9 +16,9 @@ from typing import Any
 import ipyparallel as ipp
 
 from kernels_runtime.memory.spill import POOL_ENV
-from workbench import engine_calls
 from workbench.errors import PoolError
-from workbench.ranks import RankLayout, assign_ranks, check_versions, notebook_versions
+from workbench.pool import rank_calls
+from workbench.pool.ranks import RankLayout, assign_ranks, check_versions, notebook_versions
 
 
 async def _each(client: ipp.Client, engine_ids: list[int], fn: Any, *args: Any) -> list[Any]:
@@ -34,9 +34,9 @@ async def lay_out(client: ipp.Client, ids: list[int],
 
     Returns the layout, the engine id of each rank, and the MPI rank of each rank (empty
     unless every engine was started by mpiexec)."""
-    idents = await _each(client, ids, engine_calls.identify)
+    idents = await _each(client, ids, rank_calls.identify)
     check_versions(idents, notebook_versions())
-    await _each(client, ids, engine_calls.set_environment, {POOL_ENV: pool_id})
+    await _each(client, ids, rank_calls.set_environment, {POOL_ENV: pool_id})
     layout = assign_ranks(idents, ids)
     engine_ids = [ids[i] for i in layout.order]
     mpi_ranks = [idents[i]["launcher_rank"] for i in layout.order
@@ -50,11 +50,11 @@ async def _rendezvous(client: ipp.Client, engine_ids: list[int], hosts: list[str
     pool takes it from MPI: every engine joins a broadcast from rank 0's MPI rank."""
     local = len(set(hosts)) <= 1
     if mpi_ranks and len(mpi_ranks) == len(engine_ids):
-        answers = await _each(client, engine_ids, engine_calls.mpi_rank_address, mpi_ranks[0],
+        answers = await _each(client, engine_ids, rank_calls.mpi_rank_address, mpi_ranks[0],
                               local)
         return tuple(answers[0])  # type: ignore[return-value]
     return tuple(await asyncio.wrap_future(  # type: ignore[return-value]
-        client[engine_ids[0]].apply_async(engine_calls.rank_address, local)))
+        client[engine_ids[0]].apply_async(rank_calls.rank_address, local)))
 
 
 async def init_group(client: ipp.Client, engine_ids: list[int], layout: RankLayout,
@@ -66,7 +66,7 @@ async def init_group(client: ipp.Client, engine_ids: list[int], layout: RankLayo
     addr, port = await _rendezvous(client, engine_ids, layout.hosts, mpi_ranks)
     futures = [
         client[eid].apply_async(
-            engine_calls.start_rank, r, n, addr, port, backend, collective_timeout_s,
+            rank_calls.start_rank, r, n, addr, port, backend, collective_timeout_s,
             layout.local_ranks[r], layout.local_sizes[r],
         )
         for r, eid in enumerate(engine_ids)
@@ -83,6 +83,6 @@ async def recreate_group(client: ipp.Client, engine_ids: list[int], hosts: list[
     """Re-create the process group on every rank (after an interrupt, timeout or error), on a
     fresh port from rank 0."""
     _, port = await asyncio.wrap_future(
-        client[engine_ids[0]].apply_async(engine_calls.rank_address, len(set(hosts)) <= 1))
-    await asyncio.wait_for(_each(client, engine_ids, engine_calls.recreate_group, port),
+        client[engine_ids[0]].apply_async(rank_calls.rank_address, len(set(hosts)) <= 1))
+    await asyncio.wait_for(_each(client, engine_ids, rank_calls.recreate_group, port),
                            timeout=timeout_s)

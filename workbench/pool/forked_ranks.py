@@ -3,8 +3,9 @@
 Why: on one host, a pool's start is dominated by every rank importing torch (about 1.3 s of
 CPU each); four ranks on two cores pay it four times over. ``ForkedEngineSetLauncher`` is an
 ipyparallel engine-set launcher (like its MPI launcher: one process it starts and stops, many
-engines) that runs ``python -m workbench.engine --workbench-fork=N``: that process imports the
-rank runtime, then forks N children, each an unchanged ipyparallel engine with its own nanny.
+engines) that runs ``python -m workbench.pool.rank_process --workbench-fork=N``: that process
+imports the rank runtime, then forks N children, each an unchanged ipyparallel engine with its
+own nanny.
 The children share the imported pages copy-on-write, and no CUDA context exists before the
 fork (importing torch creates none), so each child starts clean; on a GPU host each child gets
 its own ``CUDA_VISIBLE_DEVICES`` before anything reads it.

@@ -32,20 +32,20 @@ from typing import Any
 
 import ipyparallel as ipp
 
-from workbench import engine_calls
 from workbench._async import LoopThread
 from workbench.errors import PoolError
-from workbench.launchers import LauncherSpec, cluster_config, engine_launcher, resolve_launcher
-from workbench.pool_cleanup import arm_reaper, remove_dead_spill
-from workbench.pool_state import StatePublisher, new_publisher, rank_rows
-from workbench.pool_status import RankQueries
-from workbench.pool_status import RankStatus as RankStatus  # re-exported: workbench.RankStatus
-from workbench.ranks import rank_devices, visible_gpu_count
-from workbench.reaper import ReaperHandle
-from workbench.slurm import job_state, timeout_message, watch_message
-from workbench.world import init_group, lay_out, recreate_group
+from workbench.pool import rank_calls
+from workbench.pool.cleanup import arm_reaper, remove_dead_spill
+from workbench.pool.launchers import LauncherSpec, cluster_config, engine_launcher, resolve_launcher
+from workbench.pool.ranks import rank_devices, visible_gpu_count
+from workbench.pool.reaper import ReaperHandle
+from workbench.pool.slurm import job_state, timeout_message, watch_message
+from workbench.pool.state import StatePublisher, new_publisher, rank_rows
+from workbench.pool.status import RankQueries
+from workbench.pool.status import RankStatus as RankStatus  # re-exported: workbench.RankStatus
+from workbench.pool.world import init_group, lay_out, recreate_group
 
-log = logging.getLogger("workbench.pool")
+log = logging.getLogger("workbench.pool.pool")
 # The hub admits an engine only after its first heartbeat (ipyparallel's 3 s period made every
 # start wait that long), and declares an engine dead after this many missed beats: an engine
 # whose whole process tree vanished (a cancelled Slurm job, a lost host) has no nanny left to
@@ -78,7 +78,7 @@ class Pool:
     publish_state: write the pool-state file for the JupyterLab extension; by default only
         inside a Jupyter kernel (passed to the registered publisher factory).
     state: where the pool publishes its state; default: the registered publisher
-        (``workbench.pool_state.publish_pool_state_with``), else nowhere.
+        (``workbench.pool.state.publish_pool_state_with``), else nowhere.
     """
 
     def __init__(
@@ -335,7 +335,7 @@ class Pool:
         if self.client is not None and self.engine_ids:
             alive = [e for e in self.engine_ids if e in self.client.ids]
             if alive:
-                ar = self.client[alive].apply_async(engine_calls.close_rank)
+                ar = self.client[alive].apply_async(rank_calls.close_rank)
                 await asyncio.to_thread(ar.wait, 10)
         try:
             if self.client is not None:

@@ -110,7 +110,7 @@ def start_rank(
     from IPython import get_ipython
 
     from kernels_runtime.session import RankSession
-    from workbench.engine_calls import TelemetryCellHooks, publish_telemetry  # our globals
+    from workbench.pool.rank_calls import TelemetryCellHooks, publish_telemetry  # our globals
 
     old = globals().get("session")
     if old is not None:

@@ -33,10 +33,10 @@ from typing import Any
 
 from ipyparallel.error import RemoteError
 
+from workbench.cells.oom_hint import memory_hint
 from workbench.errors import PoolError, RankError, RankFailureError
-from workbench.oom_hint import memory_hint
-from workbench.pool import Pool
-from workbench.pool_state import StatePublisher
+from workbench.pool.pool import Pool
+from workbench.pool.state import StatePublisher
 
 StreamSink = Callable[[int, str, str], None]  # (rank, "stdout"|"stderr", text)
 DisplaySink = Callable[[int, dict[str, Any]], None]  # (rank, display_data content)
@@ -140,7 +140,7 @@ def _rank_error(pool: Pool, rank: int, exc: BaseException) -> RankError:
 
 
 def _stopped_by_sigterm(exc: RemoteError) -> bool:
-    """The engine's SIGTERM handler (``workbench.engine``) ends a running cell with
+    """The engine's SIGTERM handler (``workbench.pool.rank_process``) ends a running cell with
     ``SystemExit(128 + SIGTERM)`` on its way out: a rank told to stop (``scancel``, the pool's
     reaper), which is dying, not a cell that failed."""
     return exc.ename == "SystemExit" and exc.evalue == str(128 + signal.SIGTERM)

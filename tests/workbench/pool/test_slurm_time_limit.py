@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from workbench.launchers import slurm_batch_template
+from workbench.pool.launchers import slurm_batch_template
 
 pytestmark = pytest.mark.full  # real daemons: make test-full
 

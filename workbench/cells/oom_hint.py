@@ -170,7 +170,7 @@ def rank_facts() -> dict[str, Any]:
 
     import psutil
 
-    from workbench.oom_hint import model_facts
+    from workbench.cells.oom_hint import model_facts
 
     session = globals().get("session")
     device = session.state.accelerator.total_memory() if session is not None else None

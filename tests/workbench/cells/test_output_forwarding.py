@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workbench.execution import _new_text
+from workbench.cells.execution import _new_text
 
 
 def test_grown_text_sends_its_end_and_a_rewritten_line_comes_after_a_carriage_return():

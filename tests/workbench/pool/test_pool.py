@@ -12,8 +12,8 @@ import psutil
 import pytest
 
 from workbench import Pool, PoolError
-from workbench.forked_engines import ForkedEngineSetLauncher
-from workbench.launchers import resolve_launcher
+from workbench.pool.forked_ranks import ForkedEngineSetLauncher
+from workbench.pool.launchers import resolve_launcher
 
 pytestmark = pytest.mark.engines
 

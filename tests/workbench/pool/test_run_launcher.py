@@ -2,7 +2,7 @@
 launcher, unedited.
 
 What is protected. Fast: ``workbench run`` and ``%colossal start`` parse the same launch
-options (one declaration, ``workbench.start_options``), the run's options reach the magic
+options (one declaration, ``workbench.pool.start_options``), the run's options reach the magic
 through ``$WORKBENCH_START_OPTIONS`` and win over the notebook's line (``--launcher-option``s
 add up), ``--nodes`` is refused for launchers that cannot place ranks on a number of nodes
 before anything runs, and the report goes beside the saved notebook. Full tier: the real CLI
@@ -25,7 +25,7 @@ import pytest
 
 from workbench.cli import main
 from workbench.notebook_runner import report_path
-from workbench.start_options import ENV, add_launch_options, to_line, with_env_options
+from workbench.pool.start_options import ENV, add_launch_options, to_line, with_env_options
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 

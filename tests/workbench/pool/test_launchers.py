@@ -1,11 +1,11 @@
 """Launcher configuration, rank assignment by host and the version check, without engines.
 
-What is protected: every launcher starts engines through ``workbench.engine`` (torch imported
-while the controller starts); MPI, Slurm and SSH get their settings from the pool's options and
-refuse bad ones in words; ranks of one host are adjacent with ``local_rank`` counting inside
-the host (so tp groups stay inside hosts); hosts with other torch or workbench versions are
-refused naming who runs what; the launcher's own rank variables are read as the launcher set
-them.
+What is protected: every launcher starts engines through ``workbench.pool.rank_process`` (torch
+imported while the controller starts); MPI, Slurm and SSH get their settings from the pool's
+options and refuse bad ones in words; ranks of one host are adjacent with ``local_rank``
+counting inside the host (so tp groups stay inside hosts); hosts with other torch or workbench
+versions are refused naming who runs what; the launcher's own rank variables are read as the
+launcher set them.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 
 from kernels_runtime.launcher_env import launcher_rank
 from workbench import PoolError
-from workbench.launchers import cluster_config, parse_hosts, resolve_launcher
-from workbench.ranks import assign_ranks, check_versions, tp_groups_within_hosts
+from workbench.pool.launchers import cluster_config, parse_hosts, resolve_launcher
+from workbench.pool.ranks import assign_ranks, check_versions, tp_groups_within_hosts
 
 from helpers.prereq import require
 
@@ -26,7 +26,7 @@ def test_every_launcher_starts_the_workbench_engine_entry():
     for name, extra in (("local", {}), ("mpi", {}), ("ssh", {"hosts": "a:2,b:2"})):
         spec = resolve_launcher(name, "10.0.0.1" if name == "ssh" else None, **extra)
         c = cluster_config(spec, 4)
-        assert c[spec.launcher_class].engine_cmd[1:] == ["-m", "workbench.engine"]
+        assert c[spec.launcher_class].engine_cmd[1:] == ["-m", "workbench.pool.rank_process"]
     # engines on this host read the connection file as soon as it exists (start overlap)
     assert cluster_config(resolve_launcher("local", None), 2).Cluster \
         .send_engines_connection_env is False
@@ -45,7 +45,7 @@ def test_ssh_needs_hosts_whose_engines_add_up_to_n():
     spec = resolve_launcher("ssh", "10.0.0.1", hosts="a:2,b:2", remote_python="/opt/py")
     c = cluster_config(spec, 4).SSHEngineSetLauncher
     assert c.engines == {"a": 2, "b": 2} and c.remote_python == "/opt/py"
-    assert c.engine_cmd == ["/opt/py", "-m", "workbench.engine"]
+    assert c.engine_cmd == ["/opt/py", "-m", "workbench.pool.rank_process"]
     with pytest.raises(PoolError, match="hold 4 engines"):
         cluster_config(spec, 3)
     with pytest.raises(PoolError, match="host:engines"):
@@ -113,26 +113,27 @@ def test_launcher_ranks_are_read_from_mpi_and_slurm_variables():
 
 
 def test_engine_entry_point_is_importable_without_running():
-    import workbench.engine as entry
+    import workbench.pool.rank_process as entry
 
-    assert callable(entry.main) and "workbench.engine" in sys.modules
+    assert callable(entry.main) and "workbench.pool.rank_process" in sys.modules
 
 
 def test_local_engines_are_forked_from_one_process_with_a_device_each():
-    from workbench.forked_engines import ForkedEngineSetLauncher
+    from workbench.pool.forked_ranks import ForkedEngineSetLauncher
 
     spec = resolve_launcher("local", None)
     config = cluster_config(spec, 4, devices=["0", "1"])
-    launcher = ForkedEngineSetLauncher(config=config, engine_cmd=["py", "-m", "workbench.engine"])
+    launcher = ForkedEngineSetLauncher(config=config,
+                                       engine_cmd=["py", "-m", "workbench.pool.rank_process"])
     launcher.n = 4
-    assert launcher.find_args() == ["py", "-m", "workbench.engine", "--workbench-fork=4",
+    assert launcher.find_args() == ["py", "-m", "workbench.pool.rank_process", "--workbench-fork=4",
                                     "--workbench-devices=0,1"]
 
 
 def test_local_ranks_stay_on_the_gpus_this_process_was_given(monkeypatch):
     """A hub's spawner gave this server GPU 3 only: its ranks get "3", never "0" (someone
     else's); without a list of its own, ranks count from 0."""
-    from workbench.ranks import rank_devices
+    from workbench.pool.ranks import rank_devices
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     assert rank_devices(1) == ["3"]

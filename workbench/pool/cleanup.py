@@ -1,5 +1,5 @@
 """What a pool leaves behind and who removes it: spill folders of ranks that died, and the
-reaper's list of what to stop should the kernel die (``workbench.reaper``).
+reaper's list of what to stop should the kernel die (``workbench.pool.reaper``).
 
 Why apart from ``pool.py``: the pool starts and stops processes; this is the cleanup of what
 outlives them (a SIGKILLed rank's spill folder, a cluster whose kernel was SIGKILLed). Both
@@ -15,9 +15,9 @@ from typing import Any
 import psutil
 
 from kernels_runtime.memory.spill import remove_stale, spill_root
-from workbench.reaper import ReaperHandle
+from workbench.pool.reaper import ReaperHandle
 
-log = logging.getLogger("workbench.pool")
+log = logging.getLogger("workbench.pool.pool")
 
 
 def remove_dead_spill(pool_id: str) -> None:

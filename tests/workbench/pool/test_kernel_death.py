@@ -1,8 +1,8 @@
 """A kernel SIGKILLed while its pool works leaves nothing behind.
 
 Jupyter kills a slow kernel with SIGKILL at shutdown; no ``Pool.stop`` runs then. The pool's
-reaper (``workbench.reaper``), the engines' SIGTERM handling and the forked parent's escalation
-(``workbench.engine``) must still end every process the pool started: the controller, the
+reaper (``workbench.pool.reaper``), the engines' SIGTERM handling and the forked parent's escalation
+(``workbench.pool.rank_process``) must still end every process the pool started: the controller, the
 forked engine parent, the engines and their nannies, within 30 s, and remove the pool's spill
 folders. Each case drives a real Jupyter kernel with a real 2-rank pool on gloo: a dp=2
 training cell and a served engine with 8 streams in flight, each on a local pool and on a Slurm
@@ -204,7 +204,8 @@ def _start_slurm_pool(kernel: KernelSession) -> str:
 def _slurm_tree(kernel: KernelSession, job: str) -> list[psutil.Process]:
     """The kernel's descendants and the job's processes (2 engines among them)."""
     engines = _job_processes(job)
-    ranks = [p for p in engines if p.name() != "srun" and "workbench.engine" in p.cmdline()]
+    ranks = [p for p in engines
+             if p.name() != "srun" and "workbench.pool.rank_process" in p.cmdline()]
     assert len(ranks) == 2, [p.cmdline() for p in engines]
     return _pool_tree(kernel.km.provisioner.process.pid) + engines
 

@@ -1,4 +1,4 @@
-"""The engine process's entry point: ``python -m workbench.engine [ipengine arguments]``.
+"""The engine process's entry point: ``python -m workbench.pool.rank_process [ipengine arguments]``.
 
 Why it exists: most of a pool's start is every rank importing torch (about 1.3 s of CPU per
 process). ipyparallel's own entry (``python -m ipyparallel.engine``) would import it only when
@@ -7,7 +7,7 @@ the import waits on both. This entry imports the rank runtime first and then run
 ipyparallel's engine unchanged (same arguments, ``--mpi`` included), so the import overlaps
 the controller's start and the registration round trips. Every launcher (local, MPI, Slurm,
 SSH) starts engines through it; with ``--workbench-fork=N`` (the local launcher,
-``workbench.forked_engines``) it forks N engines after the import instead of running one, as
+``workbench.pool.forked_ranks``) it forks N engines after the import instead of running one, as
 torch's DataLoader forks its workers: the parent only imports, then waits.
 
 It also refuses early, in words, an engine host without torch (the pool would otherwise see
@@ -103,13 +103,13 @@ def _arm_backstop(code: int) -> None:
 
 
 def _fork_engines(n: int, devices: list[str], engine_main: Any) -> None:
-    """Fork ``n`` engines from this process (see ``workbench.forked_engines``), forward stop
+    """Fork ``n`` engines from this process (see ``workbench.pool.forked_ranks``), forward stop
     signals to them, SIGKILL those still alive ``STOP_GRACE_S`` after a stop (or after this
     process's own parent died) and record how each one ended."""
     import ipykernel.ipkernel  # noqa: F401  imported once here, shared by every child
     import ipyparallel.engine.kernel  # noqa: F401
 
-    from workbench.forked_engines import exits_file
+    from workbench.pool.forked_ranks import exits_file
 
     children: set[int] = set()
     for i in range(n):

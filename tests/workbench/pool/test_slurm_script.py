@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from workbench import PoolError
-from workbench.launchers import SLURM_DEFAULT_TIME, resolve_launcher, slurm_batch_template
-from workbench.slurm import JobState
+from workbench.pool.launchers import SLURM_DEFAULT_TIME, resolve_launcher, slurm_batch_template
+from workbench.pool.slurm import JobState
 
 
 def _script(options: list[str]) -> str:

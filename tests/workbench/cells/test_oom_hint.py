@@ -1,5 +1,5 @@
 """A rank out of memory gets an error that names the rank, the tier and the budget it measured,
-and lists the plans the planner predicts would fit (``workbench/oom_hint.py``).
+and lists the plans the planner predicts would fit (``workbench/cells/oom_hint.py``).
 
 The message builder is pure arithmetic over a model's config, so most cases run without a
 pool; one cell on a real 2-rank pool checks the whole path: an allocation no host can hold on
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from kernels_runtime.mesh.plan import Plan
+from workbench.cells.oom_hint import budget_of, explain, hardware_of, memory_tier, model_facts
 from workbench.errors import RankError, RankFailureError
-from workbench.oom_hint import budget_of, explain, hardware_of, memory_tier, model_facts
 
 # a GPT-2 of 2 layers as rank_facts sends it (HF config.to_dict(), the keys the planner reads)
 GPT2 = {"name": "model", "type": "GPT2LMHeadModel", "params": 29_088,

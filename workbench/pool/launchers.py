@@ -4,9 +4,9 @@ controller listens.
 We never build our own cluster manager: multi-node pools use ipyparallel's launchers (MPI,
 Slurm, SSH, PBS, ...), the engines people's clusters already run. This module only turns the
 pool's few options into those launchers' configuration (``cluster_config``): every launcher
-starts engines through ``python -m workbench.engine`` (torch imported while the controller
-starts), MPI gets Open MPI's ``mpiexec`` from the same environment, Slurm a batch script with
-the user's ``#SBATCH`` options, SSH the hosts to start engines on.
+starts engines through ``python -m workbench.pool.rank_process`` (torch imported while the
+controller starts), MPI gets Open MPI's ``mpiexec`` from the same environment, Slurm a batch
+script with the user's ``#SBATCH`` options, SSH the hosts to start engines on.
 
 Security rule: the controller binds 127.0.0.1 unless the user names another address.
 Launchers that put engines on other hosts cannot reach a loopback controller, so for them the
@@ -131,14 +131,14 @@ def _refuse_control_characters(options: tuple[str, ...] | list[str]) -> None:
 
 def engine_command(python: str) -> list[str]:
     """The engine command every launcher runs: torch imported before ipyparallel's engine."""
-    return [python, "-m", "workbench.engine"]
+    return [python, "-m", "workbench.pool.rank_process"]
 
 
 def engine_launcher(spec: LauncherSpec) -> Any:
     """What ``ipp.Cluster(engines=...)`` gets: our forking launcher for local engines (torch
-    imported once per host, see ``workbench.forked_engines``), else ipyparallel's own."""
+    imported once per host, see ``workbench.pool.forked_ranks``), else ipyparallel's own."""
     if spec.engines == "local":
-        from workbench.forked_engines import ForkedEngineSetLauncher
+        from workbench.pool.forked_ranks import ForkedEngineSetLauncher
 
         return ForkedEngineSetLauncher
     return spec.engines

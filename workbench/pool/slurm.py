@@ -39,7 +39,7 @@ class JobState:
         if self.pending:
             why = f" ({self.reason})" if self.reason else ""
             if self.reason in TIME_LIMIT_REASONS:
-                from workbench.launchers import SLURM_DEFAULT_TIME
+                from workbench.pool.launchers import SLURM_DEFAULT_TIME
 
                 why += (f": its time limit (--time={SLURM_DEFAULT_TIME} unless the options set "
                         "one) exceeds what the cluster allows here; give a shorter one with "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from workbench import fit_ranks
-from workbench.rank_fit import GIB, memory_limit
+from workbench.cells.rank_fit import GIB, memory_limit
 
 
 def test_the_largest_choice_that_fits_else_the_smallest(monkeypatch):

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from workbench import engine_calls
 from workbench.errors import PoolError, describe_exit
-from workbench.forked_engines import exit_status
-from workbench.slurm import job_state
+from workbench.pool import rank_calls
+from workbench.pool.forked_ranks import exit_status
+from workbench.pool.slurm import job_state
 
 
 @dataclass
@@ -49,7 +49,7 @@ class RankQueries:
 
     def __init__(self, launcher: Any,
                  publish: Callable[[frozenset[int], frozenset[int]], None] | None = None) -> None:
-        self.launcher = launcher  # a workbench.launchers.LauncherSpec
+        self.launcher = launcher  # a workbench.pool.launchers.LauncherSpec
         self.publish = publish
         self.cluster: Any = None  # ipp.Cluster while the pool runs
         self.client: Any = None  # ipp.Client while the pool runs
@@ -145,7 +145,7 @@ class RankQueries:
                 q = queues.get(eid, {})
                 state = "busy" if q.get("queue", 0) + q.get("tasks", 0) > 0 else "idle"
             if state == "idle":
-                ar = self.client[eid].apply_async(engine_calls.describe_rank)
+                ar = self.client[eid].apply_async(rank_calls.describe_rank)
                 if ar.wait(timeout_s):
                     info = ar.get()
                     self.ranks_info[r] = info
