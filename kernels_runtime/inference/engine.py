@@ -6,7 +6,7 @@ host or disk under an offloading plan), a paged KV cache is sized from ``kv_mem`
 ``step()`` runs one forward over the tokens the scheduler picked (``scheduler.py``), samples the
 requests that reached the end of their tokens and retires the finished ones. LoRA adapters
 (``adapters={name: folder}``) ride on the base weights, so requests naming different adapters,
-or none, share every step (``adapters.py``). Greedy requests with ``speculate`` on verify
+or none, share every step (``adapters.py``). Requests with ``speculate`` on verify
 drafted tokens copied from their own context in the same forward (``speculation.py``).
 
 Ranks of one replica (the tp x pp ranks sharing a dp coordinate) make the same calls with the
@@ -49,7 +49,7 @@ from kernels_runtime.inference.runner import ModelRunner
 from kernels_runtime.inference.sampling import new_generator, sample, stop_check
 from kernels_runtime.inference.scheduler import ScheduledStep, Scheduler
 from kernels_runtime.inference.sequence import Sequence
-from kernels_runtime.inference.speculation import PromptLookup
+from kernels_runtime.inference.speculation import PromptLookup, target_tokens
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.plan import Plan, PlanError
 from kernels_runtime.parallel.state import parallel_state
@@ -244,9 +244,9 @@ class Engine:
 
     def _agree(self, batch: StepBatch,
                logits: torch.Tensor | None) -> tuple[list[int], list | None]:
-        """The tokens of every kept logits row (sampled at each sequence's last row, the argmax
-        at its drafts' rows), and the rows asked for, from the last pipeline stage to every
-        rank of the replica."""
+        """The tokens of every kept logits row (sampled at each sequence's last row; at its
+        drafts' rows the argmax, or the rejection sampler's under sampling), and the rows
+        asked for, from the last pipeline stage to every rank of the replica."""
         sampled = batch.sampled
         want = any(s.params.return_logits for s in sampled)
         total = sum(batch.rows)
@@ -254,11 +254,8 @@ class Engine:
         if logits is not None:
             if total == len(sampled):
                 tokens = torch.tensor(sample(logits, sampled), device=self.ctx.device)
-            else:  # drafts to verify: greedy targets at every row (speculation is greedy)
-                last = torch.tensor(batch.rows).cumsum(0) - 1  # (S,) each sequence's last row
-                tokens = logits.argmax(dim=-1)  # (R,)
-                tokens[last.to(tokens.device)] = torch.tensor(
-                    sample(logits[last.to(logits.device)], sampled), device=tokens.device)
+            else:  # drafts to verify: the target's token at every row (speculation.py)
+                tokens = torch.tensor(target_tokens(logits, batch), device=self.ctx.device)
         if self.runner.pp > 1:
             group = self.ctx.group("pp")
             last_stage = self.ctx.topology.group_of(self.ctx.rank, ("pp",))[-1]

@@ -32,9 +32,10 @@ class SamplingParams:
 
     ``speculate`` turns on prompt-lookup speculative decoding for this request (``True``:
     draft up to ``DEFAULT_DRAFT`` tokens a step; an integer: up to that many; ``False``/0:
-    off). The tokens are exactly the greedy ones without it, only fewer forwards compute
-    them; it is greedy only, so asking for it with ``temperature > 0`` is an error (not
-    silently dropped: a caller who asked for speed should learn they do not get it).
+    off). Greedy tokens are exactly those without it, only fewer forwards compute them;
+    sampled ones are verified by rejection sampling, which keeps the distribution and draws
+    the generator as plain decoding does, so a seed gives the same tokens either way (up to
+    float noise between logits computed in one chunk and one token at a time).
     """
 
     max_new_tokens: int = 16
@@ -99,9 +100,6 @@ class SamplingParams:
         if not isinstance(k, (bool, int)) or (not isinstance(k, bool) and k < 0):
             return (f"speculate must be True, False or a number of draft tokens >= 0, got "
                     f"{k!r}")
-        if k and not self.greedy:
-            return (f"speculate is for greedy decoding only (drafts are checked against the "
-                    f"argmax), but temperature={t}: set temperature=0 or speculate=False")
         if self.stop_strings and not has_tokenizer:
             return ("stop strings need a tokenizer to read the text: pass tokenizer= to the "
                     "Engine, or stop on token ids with stop_token_ids=[...]")

@@ -28,25 +28,36 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     greedy = logits.argmax(dim=-1).tolist()
     out = []
     for i, seq in enumerate(seqs):
-        p = seq.params
-        if p.greedy:
+        if seq.params.greedy:
             out.append(greedy[i])
             continue
-        row = logits[i].double()
-        # shifted to a max of 0 before dividing: a tiny temperature (5e-324 is a valid JSON
-        # number) then makes the others -inf and the argmax 0, never inf - inf = nan
-        row = (row - row.max()) / p.temperature
-        if p.top_k and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            ordered, order = probs.sort(descending=True)
-            before = ordered.cumsum(0) - ordered  # mass of the tokens ranked above each
-            ordered = ordered.masked_fill(before >= p.top_p, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, ordered)
-        out.append(int(torch.multinomial(probs.cpu(), 1, generator=seq.generator)))
+        out.append(draw(probabilities(logits[i], seq.params), seq.generator))
     return out
+
+
+def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row of logits (V,) -> the distribution a sampled request draws from (V,) float64:
+    divided by the temperature, cut to ``top_k`` and to ``top_p``."""
+    row = logits.double()
+    # shifted to a max of 0 before dividing: a tiny temperature (5e-324 is a valid JSON
+    # number) then makes the others -inf and the argmax 0, never inf - inf = nan
+    row = (row - row.max()) / p.temperature
+    if p.top_k and p.top_k < row.numel():
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        ordered, order = probs.sort(descending=True)
+        before = ordered.cumsum(0) - ordered  # mass of the tokens ranked above each
+        ordered = ordered.masked_fill(before >= p.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, ordered)
+    return probs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from ``probs`` (V,): one draw of ``generator`` per token, whatever the
+    step (speculative verification draws exactly as plain decoding does)."""
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
 def stop_check(seq: Sequence, token: int, eos: set[int], tokenizer) -> tuple[str, object] | None:

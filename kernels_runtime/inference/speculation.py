@@ -17,13 +17,31 @@ the greedy tokens of plain decoding. The rejected drafts' keys and values are ab
 sequence's ``computed`` only counts the accepted ones (the slots are written again next step),
 and blocks holding nothing but rejected slots go back to the pool.
 
+Sampled requests (``temperature > 0``) verify by rejection sampling (Leviathan et al. 2023;
+Chen et al. 2023), which keeps the target's distribution exactly. A prompt-lookup draft is a
+deterministic proposal (``q`` one-hot on draft ``x``), so the rule reads: accept ``x`` with
+probability ``p(x)``; on a rejection, draw from the residual ``max(0, p - q)`` normalized, that
+is ``p`` without ``x``; after ``k`` acceptances, draw a bonus token from the last row.
+``verify_sampled`` realizes it with the randomness plain decoding uses: row ``j``'s token is
+drawn from ``p_j`` with the request's generator (one draw, as plain decoding draws it), and the
+draft is accepted when that token is the draft (probability ``p_j(x)``); otherwise the token
+drawn, which is then ``p_j`` conditioned on not being ``x``, i.e. the normalized residual,
+is the step's last. Rows past the first rejection draw nothing, so a seeded request consumes
+one draw per token with or without speculation and gets the same tokens either way (up to
+float noise between a verification chunk's logits and a one-token decode's), whatever else is
+in the batch.
+
 Every rank of a replica decides the same: drafts come from the sequence's tokens (identical on
-every rank) and acceptance from argmaxes of logits every rank holds the same (tensor-parallel
-logits are gathered; under pipelines the last stage broadcasts its tokens).
+every rank) and acceptance from logits every rank holds the same (tensor-parallel logits are
+gathered, generators seeded alike; under pipelines the last stage broadcasts its tokens).
 """
 
 from __future__ import annotations
 
+import torch
+
+from kernels_runtime.inference.batch import StepBatch
+from kernels_runtime.inference.sampling import draw, probabilities, sample
 from kernels_runtime.inference.scheduler import ScheduledStep, Scheduler
 from kernels_runtime.inference.sequence import RUNNING, Sequence
 
@@ -53,6 +71,40 @@ def accepted(draft: list[int], target: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def verify_sampled(logits: torch.Tensor, draft: list[int], seq: Sequence) -> list[int]:
+    """Rejection sampling of ``draft`` (k) against ``logits`` (k + 1, V), the rows after the
+    last token and after each draft: ``k + 1`` tokens of which the first ``a`` equal the
+    accepted drafts and the next is the target's (the residual's, or the bonus); -1 fill the
+    rows past it, never drawn (module docstring)."""
+    out = []
+    for j, x in enumerate(draft + [None]):
+        token = draw(probabilities(logits[j], seq.params), seq.generator)
+        out.append(token)
+        if token != x:  # rejected (token from p without x: the residual), or the bonus
+            break
+    return out + [-1] * (len(draft) + 1 - len(out))
+
+
+def target_tokens(logits: torch.Tensor, batch: StepBatch) -> list[int]:
+    """The target's token at every kept row (R): after a sequence's drafts, the argmax
+    (greedy) or the rejection sampler's; at the last row of a sequence without drafts, its
+    sampled token."""
+    tokens = logits.argmax(dim=-1).tolist()  # (R,)
+    starts = torch.tensor([0] + batch.rows).cumsum(0).tolist()
+    plain = [(i, seq) for i, seq in enumerate(batch.sampled) if batch.rows[i] == 1]
+    if plain:
+        rows = torch.tensor([starts[i] for i, _ in plain], device=logits.device)
+        for (i, _), token in zip(plain, sample(logits[rows], [s for _, s in plain])):
+            tokens[starts[i]] = token
+    for i, seq in enumerate(batch.sampled):
+        n = batch.rows[i]
+        if n > 1 and not seq.params.greedy:
+            draft = seq.tokens[len(seq.tokens) - seq.drafted:]
+            tokens[starts[i]:starts[i] + n] = verify_sampled(
+                logits[starts[i]:starts[i] + n], draft, seq)
+    return tokens
 
 
 class PromptLookup:

@@ -1,7 +1,9 @@
 """``python -m bench inference --quick`` runs end to end on 2 real ranks and reports its figures
 (nothing about time is asserted): the benchmark stays runnable; its KV utilisation is a
 fraction of allocated slots and above contiguous allocation's; prefix sharing took blocks from
-the index and kept fewer blocks in use; the workload is the same on every side."""
+the index and kept fewer blocks in use; prompt-lookup speculation left the greedy tokens
+unchanged (the bench asserts it) and accepted drafts; the workload is the same on every
+side."""
 
 from __future__ import annotations
 
@@ -11,17 +13,20 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.full  # a --quick benchmark run
-def test_the_inference_benchmark_reports_its_figures(capsys):
+def test_the_inference_benchmark_reports_its_figures(capsys, smollm2):
     from bench.inference.run import main
 
-    figures = main(["--quick"])
+    figures = main(["--quick", "--smollm2", str(smollm2.folder)])
     printed = capsys.readouterr().out
-    assert set(figures) == {"ratio", "static", "utilisation", "hits"}
+    assert set(figures) == {"ratio", "static", "utilisation", "hits", "speculation",
+                            "acceptance"}
     assert figures["ratio"] > 0 and figures["static"] > 0
     assert 0.5 < figures["utilisation"] <= 1.0
     assert figures["hits"] > 0
+    assert figures["speculation"] > 0 and 0 < figures["acceptance"] <= 1
     for words in ("engine / HF generate", "(aim >= 5x)", "aim >= 96%", "contiguous per request",
-                  "time to first token p50", "peak blocks in use"):
+                  "time to first token p50", "peak blocks in use",
+                  "prompt-lookup speculation", "greedy tokens identical"):
         assert words in printed, words
 
 

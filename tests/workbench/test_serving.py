@@ -3,7 +3,8 @@ loopback, called with the official ``openai`` client and plain HTTP.
 
 Greedy completions and chat completions, streamed and not, equal ``engine.generate`` on the
 same prompts; keys, malformed bodies and unsupported parameters get OpenAI-style errors;
-``/metrics`` parses as Prometheus text and counts what was sent; the dashboard under the serve
+``/metrics`` parses as Prometheus text and counts what was sent (a speculative request's
+drafts included); the dashboard under the serve
 cell and the lab's pool-state file follow the endpoint while clients call (in flight, KV
 blocks, the serving replica's inference panel, the requests /metrics counts) and drop it
 after ``--stop``; a client that disconnects
@@ -137,6 +138,18 @@ def test_metrics_parse_and_count_what_was_sent(served):
     prompt = ("workbench_prompt_tokens_total", ())
     assert after[prompt] - before.get(prompt, 0) == sum(m.usage.prompt_tokens for m in made)
     assert after[("workbench_time_to_first_token_seconds_count", ())] >= 3
+
+    # a speculative request (our body field): the greedy text unchanged, its drafts counted
+    spec = client.completions.create(model="engine", prompt=PROMPTS[0], max_tokens=24,
+                                     temperature=0, extra_body={"speculate": 4})
+    assert spec.choices[0].text == served["expected"][0]
+    drafted, accepted = ("workbench_spec_draft_tokens_total", ()), \
+        ("workbench_spec_accepted_tokens_total", ())
+    deadline = time.monotonic() + 10  # the endpoint reads the ranks' telemetry every 0.2 s
+    while (now := read())[drafted] == after[drafted] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert now[drafted] > after[drafted] and now[accepted] <= now[drafted]
+    assert 0 <= now[("workbench_spec_acceptance_rate", ())] <= 1
 
 
 def test_the_dashboard_and_the_lab_file_follow_the_endpoint(shell, served, tmp_path,

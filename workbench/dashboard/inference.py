@@ -21,7 +21,8 @@ its block marks as ``leader`` (its first tp and pp rank; until that one has publ
 lowest rank of the replica that has). A block without these fields (an older engine) stands
 for a replica of its own, labelled by its rank. The title gives the latest totals over
 replicas; utilisation there is the mean over replicas, preemptions and prefix hits the
-engines' cumulative counts.
+engines' cumulative counts, and, once some request speculated, the draft tokens accepted of
+those verified (``speculation.py``).
 
 The panel shows once some rank's engine has stepped during the cell: telemetry forgets the
 block when a cell starts (``Telemetry.pause``), so a block seen belongs to this cell
@@ -160,7 +161,14 @@ def inference_title(history: RunHistory) -> str:
             f"{total('blocks_used'):,}/{total('blocks_total'):,} blocks used "
             f"({total('blocks_shared'):,} shared), {utilised} utilised · "
             f"{total('preemptions'):,} preemptions · {total('prefix_hit_blocks'):,} prefix-hit "
-            "blocks")
+            f"blocks{_speculation(total('spec_accepted_tokens'), total('spec_drafted_tokens'))}")
+
+
+def _speculation(accepted: int, drafted: int) -> str:
+    """The title's speculative decoding part; empty while no request speculated."""
+    if not drafted:
+        return ""
+    return f" · speculation: {accepted:,}/{drafted:,} drafts accepted ({accepted / drafted:.0%})"
 
 
 def inference_layout(history: RunHistory) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """``/metrics`` in Prometheus' text format: requests by route and outcome, prompt and generated
-tokens, requests in flight, the engine's queue and KV blocks (from the ranks' telemetry), and
-time to first token and per output token as histograms. A registry of its own per endpoint, so
+tokens, requests in flight, the engine's queue and KV blocks (from the ranks' telemetry),
+speculative decoding's drafted and accepted tokens and their ratio, and time to first token and
+per output token as histograms. A registry of its own per endpoint, so
 two endpoints in one kernel never mix their counts."""
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ class Metrics:
                              registry=r)
         self.kv_used = Gauge("workbench_kv_blocks_used", "KV cache blocks in use", registry=r)
         self.kv_total = Gauge("workbench_kv_blocks_total", "KV cache blocks", registry=r)
+        # the engines' cumulative counts (since each was built), turned into counters
+        self.spec_drafted = Counter("workbench_spec_draft_tokens", "speculative draft tokens "
+                                    "verified by the engines", registry=r)
+        self.spec_accepted = Counter("workbench_spec_accepted_tokens", "speculative draft "
+                                     "tokens the engines accepted", registry=r)
+        self.spec_acceptance = Gauge("workbench_spec_acceptance_rate", "accepted / drafted "
+                                     "tokens over the engines' lives (0 before any draft)",
+                                     registry=r)
+        self._spec_seen: dict[Any, tuple[int, int]] = {}  # replica: (drafted, accepted) counted
         self.ttft = Histogram("workbench_time_to_first_token_seconds", "time to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("workbench_time_per_output_token_seconds",
@@ -51,6 +61,17 @@ class Metrics:
         self.waiting.set(sum(b.get("waiting", 0) for b in blocks))
         self.kv_used.set(sum(b.get("blocks_used", 0) for b in blocks))
         self.kv_total.set(sum(b.get("blocks_total", 0) for b in blocks))
+        drafted = accepted = 0
+        for b in blocks:
+            d, a = int(b.get("spec_drafted_tokens") or 0), int(b.get("spec_accepted_tokens") or 0)
+            seen_d, seen_a = self._spec_seen.get(b.get("replica"), (0, 0))
+            if d < seen_d or a < seen_a:  # a new engine: its counts start again
+                seen_d = seen_a = 0
+            self.spec_drafted.inc(d - seen_d)
+            self.spec_accepted.inc(a - seen_a)
+            self._spec_seen[b.get("replica")] = (d, a)
+            drafted, accepted = drafted + d, accepted + a
+        self.spec_acceptance.set(accepted / drafted if drafted else 0.0)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,7 +14,9 @@ import uuid
 from typing import Any
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "stream", "stop", "seed", "n", "user",
-          "stream_options", "top_k", "ignore_eos"}  # top_k, ignore_eos: vLLM's extras
+          "stream_options", "top_k", "ignore_eos", "speculate"}
+# top_k, ignore_eos: vLLM's extras; speculate (ours): draft tokens per step of prompt-lookup
+# speculative decoding (kernels_runtime/inference/speculation.py), 0 off
 COMPLETION = COMMON | {"prompt", "echo"}
 CHAT = COMMON | {"messages", "max_completion_tokens"}
 # accepted only at the value that means "off": anything else changes the answer
@@ -27,6 +29,7 @@ DEFAULT_MAX_TOKENS = 16
 # OpenAI's own limits: up to 4 stop sequences; a length cap keeps the per-token check cheap
 MAX_STOPS, MAX_STOP_CHARS = 4, 256
 SEED_MAX = 2**63 - 1  # a signed 64-bit integer, as OpenAI's schema and vLLM take it
+MAX_SPECULATE = 16  # draft tokens per step: past a few, rejected drafts only cost compute
 
 
 class ApiError(Exception):
@@ -125,7 +128,8 @@ def sampling(body: dict, kind: str, allowed: set[str]) -> dict[str, Any]:
             "top_p": _number(body, "top_p", 0.0, 1.0, 1.0, low_open=True),
             "top_k": _integer(body, "top_k", 0, 0),
             "seed": _integer(body, "seed", 0, None, SEED_MAX),
-            "stop": stop, "ignore_eos": bool(body.get("ignore_eos", False))}
+            "stop": stop, "ignore_eos": bool(body.get("ignore_eos", False)),
+            "speculate": _integer(body, "speculate", 0, 0, MAX_SPECULATE)}
 
 
 def completion_request(body: Any) -> tuple[Any, dict[str, Any]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workbench.serving.openai_api import MAX_STOP_CHARS, MAX_STOPS, SEED_MAX
+from workbench.serving.openai_api import MAX_SPECULATE, MAX_STOP_CHARS, MAX_STOPS, SEED_MAX
 
 
 def _common() -> dict[str, Any]:
@@ -29,6 +29,9 @@ def _common() -> dict[str, Any]:
                                                     "maxItems": MAX_STOPS}]},
         "stream": {"type": "boolean"},
         "ignore_eos": {"type": "boolean"},  # as vLLM: generate max_tokens whatever comes
+        # ours: draft tokens per step of prompt-lookup speculative decoding, 0 off
+        "speculate": {"type": "integer", "minimum": 0, "maximum": MAX_SPECULATE,
+                      "nullable": True},
         "stream_options": {"type": "object", "additionalProperties": False, "nullable": True,
                            "properties": {"include_usage": {"type": "boolean"}}},
         "n": {"type": "integer", "enum": [1], "nullable": True},

@@ -1,0 +1,139 @@
+"""The "prompt-lookup speculation" line of ``python -m bench inference``: the same engine with
+and without ``speculate`` on a workload whose answers repeat their prompts.
+
+Speculation pays only where the model copies, which random weights never do, so this line runs
+a real model: SmolLM2-135M-Instruct (``workbench.models.smollm2``, converted once into the
+model cache), asked in its chat template to repeat, or lightly edit, a passage it is given
+(code and prose): what code editing and summaries quoting their input look like. Greedy, so
+the tokens with speculation must be exactly those without it (asserted); tokens/s is generated
+tokens over wall seconds on all ranks (``dp=<ranks>``, requests dealt round-robin), and the
+acceptance rate is accepted over drafted tokens from the engines' stats.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bench.common.spread import spread
+
+PASSAGES = [
+    "def moving_average(values, window):\n    total = 0.0\n    out = []\n"
+    "    for i, value in enumerate(values):\n        total += value\n"
+    "        if i >= window:\n            total -= values[i - window]\n"
+    "        out.append(total / min(i + 1, window))\n    return out\n",
+    "The river rises in the hills north of the town, runs south through the old mill "
+    "district, and joins the sea two miles past the harbour. In spring the water is high "
+    "and brown; in late summer it is low enough to cross on the stepping stones by the mill.",
+    "class Counter:\n    def __init__(self):\n        self.counts = {}\n\n"
+    "    def add(self, key):\n        self.counts[key] = self.counts.get(key, 0) + 1\n\n"
+    "    def most_common(self):\n        return max(self.counts, key=self.counts.get)\n",
+    "Our meeting is moved from Tuesday to Thursday at ten. Please bring the budget figures "
+    "for the third quarter, the draft of the hiring plan, and any questions about the new "
+    "office. Lunch will be provided after the meeting in the small conference room.",
+]
+ASKS = ["Repeat the following text exactly, word for word.",
+        "Rewrite the following text, changing nothing but fixing any typos."]
+_ENGINE: dict[str, Any] = {}
+
+
+def prompts(folder: str, count: int) -> list[list[int]]:
+    """``count`` chat prompts (token ids) asking to repeat or lightly edit a passage."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    out = []
+    for i in range(count):
+        text = f"{ASKS[i % len(ASKS)]}\n\n{PASSAGES[i % len(PASSAGES)]}"
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+        out.append(tokenizer(chat, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def spec_round(rank: int, world: int, folder: str, spec: dict, speculate: int) -> dict:
+    """Every request of the workload, greedy, with ``speculate`` drafts a step (0: off): wall
+    seconds (the same on every rank), generated tokens, the tokens themselves and the drafts
+    drafted and accepted, summed over replicas."""
+    from kernels_runtime.inference import Engine, SamplingParams
+
+    torch.set_num_threads(1)
+    if "engine" not in _ENGINE:  # one engine per rank process, reused by every round
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()  # one bar per rank process, in the bench's table
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        _ENGINE["engine"] = Engine(model, f"dp={world}", kv_mem="64MiB", prefix_sharing=False,
+                                   max_num_seqs=spec["spec_requests"], verbose=False)
+    engine = _ENGINE["engine"]
+    requests = prompts(folder, spec["spec_requests"])
+    params = SamplingParams(max_new_tokens=spec["spec_tokens"], speculate=speculate)
+    before = engine.stats()
+    dist.barrier()
+    start = time.perf_counter()
+    outs = engine.generate(requests, params)  # gathered from every replica
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    after = engine.stats()
+    counts = torch.tensor([after[k] - before[k] for k in ("spec_drafted_tokens",
+                                                          "spec_accepted_tokens")])
+    dist.all_reduce(counts)  # each rank is a replica of its own
+    return {"seconds": seconds, "tokens": [o.token_ids for o in outs],
+            "generated": sum(len(o.token_ids) for o in outs),
+            "drafted": int(counts[0]), "accepted": int(counts[1])}
+
+
+def run(pool: Any, spec: dict, rounds: int, folder: str | None = None) -> dict:
+    """Rounds alternating which side goes first, on the model in ``folder`` (None: the model
+    cache's, converted on first use); ``{"skipped": why}`` when the model is not to be had."""
+    from workbench.models.smollm2 import smollm2_instruct
+
+    try:
+        folder = folder or str(smollm2_instruct())
+    except Exception as err:  # noqa: BLE001 - no model: the line says why, the rest runs
+        return {"skipped": f"{type(err).__name__}: {err}"}
+    out: dict[str, list] = {"on": [], "off": []}
+    for r in range(rounds):
+        for side in (("on", "off") if r % 2 == 0 else ("off", "on")):
+            k = spec["spec_draft"] if side == "on" else 0
+            out[side].append(pool.run(spec_round, folder, spec, k, timeout_s=1800)[0])
+    pool.run(release)  # the model's memory back before the other lines measure
+    return out
+
+
+def release(rank: int, world: int) -> None:
+    """Drop this rank's engine (its weights and KV cache)."""
+    import gc
+
+    _ENGINE.clear()
+    gc.collect()
+
+
+def report(out: dict, spec: dict) -> dict:
+    """Print the line; the speedup (median of the rounds' ratios) and acceptance rate."""
+    if "skipped" in out:
+        print(f"prompt-lookup speculation: skipped, SmolLM2-135M-Instruct unavailable "
+              f"({out['skipped']})")
+        return {}
+    on, off = out["on"], out["off"]
+    for a in on + off:
+        if a["tokens"] != off[0]["tokens"]:
+            raise AssertionError("prompt-lookup speculation changed the greedy tokens: a bug "
+                                 "in kernels_runtime/inference/speculation.py")
+    rate = {side: [r["generated"] / r["seconds"] for r in out[side]] for side in ("on", "off")}
+    ratio = [a / b for a, b in zip(rate["on"], rate["off"])]
+    drafted = sum(r["drafted"] for r in on)
+    accepted = sum(r["accepted"] for r in on) / drafted if drafted else 0.0
+    per_step = sum(r["accepted"] for r in on) / len(on)
+    print(f"prompt-lookup speculation (SmolLM2-135M-Instruct repeating / editing a quoted "
+          f"passage, {spec['spec_requests']} requests, {off[0]['generated']} tokens, up to "
+          f"{spec['spec_draft']} drafts a step): {spread(rate['on'], 1)} tokens/s with, "
+          f"{spread(rate['off'], 1)} without: {statistics.median(ratio):.2f}x "
+          f"({min(ratio):.2f}-{max(ratio):.2f}) (aim >= 1.5x); greedy tokens identical; "
+          f"acceptance {accepted:.0%} ({per_step:.0f} drafts accepted per round)")
+    return {"speculation": statistics.median(ratio), "acceptance": accepted}
