@@ -10,4 +10,4 @@ benchmark's private names. The GPU path's check is not a benchmark:
 
 BENCHMARKS = ("magic_overhead", "data_parallel", "planner", "tensor_parallel",
               "tensor_parallel_grid", "sequence_parallel", "pipeline", "memory", "inference",
-              "serving", "loading", "finetune")
+              "serving", "loading", "finetune", "moe")

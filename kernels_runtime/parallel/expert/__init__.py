@@ -14,6 +14,8 @@ The plan's ``ep`` carves groups of ep adjacent data-parallel ranks out of dp (``
 - ``data_step.py``, ``grad_sync.py``, ``zero3.py``: the data applier's step under ep: replicas
   made equal per group, non-expert gradients reduced over dp and expert ones over expert-dp
   (ZeRO 0-2 on flat buckets, ZeRO-3 on FSDP2 with the experts as their own unit).
+- ``layouts.py``: each expert slice's box of its global tensor, through which checkpoints save
+  it and reshard it under another ep or into one plain process.
 - ``aux_loss.py``: the router's load-balancing loss over the whole data-parallel batch, equal
   to HF's on one process.
 """

@@ -5,8 +5,9 @@ checkpointing (which then wraps the blocks as they now are) when the plan's ``ep
 Which modules are MoE blocks, and which of their parts are router, experts and shared expert,
 is the policy's data (``kernels_runtime.policies.moe``). Each swapped expert tensor is recorded
 in ``state.replaced_params`` so the user's optimizer, built over the full fused tensors, finds
-the slices; the data applier (``data_step.py``) then reduces the two kinds of parameter over
-their own groups.
+the slices, and its box of the global tensor in ``state.layouts`` (``layouts.py``) so checkpoints
+save and reshard it; the data applier (``data_step.py``) then reduces the two kinds of parameter
+over their own groups.
 
 Not yet composed (each refused with the plan to use instead): tp or pp beside ep, offload,
 and models whose weights a loader fills after parallelize.
@@ -17,6 +18,7 @@ from __future__ import annotations
 from torch import nn
 
 from kernels_runtime.deferred_params import to_be_loaded
+from kernels_runtime.parallel.expert.layouts import expert_layouts
 from kernels_runtime.parallel.expert.moe_layer import ExpertParallelMoE
 from kernels_runtime.parallel.state import ParallelState
 from kernels_runtime.policies.moe import expert_count, moe_blocks
@@ -65,5 +67,6 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
         state.replaced.append((path, f"{type(block).__name__} -> ExpertParallelMoE "
                                      f"({expert_count(block, spec) // ctx.plan.ep} of "
                                      f"{expert_count(block, spec)} experts)"))
+    state.layouts.update(expert_layouts(model, ctx))
     state.applied.append("expert")
     return model

@@ -16,15 +16,10 @@ from torch import nn
 
 from kernels_runtime.deferred_params import move_real
 from kernels_runtime.mesh.context import ParallelContext
-from kernels_runtime.optim import StatePiece
 from kernels_runtime.parallel.data import applier as data
 from kernels_runtime.parallel.data.replicated import ReplicatedState
 from kernels_runtime.parallel.data.zero import cast_params
-from kernels_runtime.parallel.expert.grad_sync import (
-    NO_CHECKPOINT,
-    ExpertGradSync,
-    set_expert_grad_scale,
-)
+from kernels_runtime.parallel.expert.grad_sync import ExpertGradSync, set_expert_grad_scale
 from kernels_runtime.parallel.expert.moe_layer import is_expert_parameter
 from kernels_runtime.parallel.expert.zero3 import apply_zero3
 from kernels_runtime.parallel.state import ParallelState
@@ -49,14 +44,6 @@ def sync_replicas(model: nn.Module, ctx: ParallelContext) -> None:
         op.wait()
 
 
-class _ExpertReplicatedState(ReplicatedState):
-    """Weights for evaluation and inference; expert slices have no place in the global
-    tensors yet, so a checkpoint is refused rather than written wrong."""
-
-    def pieces(self, saving: bool, optimizer: object = None) -> list[StatePiece]:
-        raise NotImplementedError(NO_CHECKPOINT)
-
-
 def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     """The data applier's work, expert-aware (zero 0-3; the expert applier refused offload)."""
     ctx, plan = state.ctx, state.ctx.plan
@@ -69,7 +56,8 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
         apply_zero3(model, state)
     elif state.optimizer is None:
         cast_params(model, compute_dtype(plan.precision))
-        state.model_state = _ExpertReplicatedState(model, ctx, state.layouts)
+        # the expert layouts (box along the expert dim, replicas over expert-dp) say it all
+        state.model_state = ReplicatedState(model, ctx, state.layouts)
     else:
         state.grad_sync = ExpertGradSync(model, state.optimizer, ctx, state.layouts,
                                          zero_stage=plan.zero_stage, precision=plan.precision,

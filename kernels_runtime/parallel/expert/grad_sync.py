@@ -14,7 +14,9 @@ Rather than teach the flat buckets two groups, ``ExpertGradSync`` runs the proje
 strategy (``ZeroGradSync``) twice: once over the non-expert parameters on the plan's context,
 once over the expert parameters on an expert-data view of it (``expert_data_context``: the
 edp group as its dp axis). Each shards its own parameters over its own group, so ZeRO 1/2 shard
-the experts within their expert-data group. One inner optimizer steps the masters of both.
+the experts within their expert-data group. One inner optimizer steps the masters of both,
+and a checkpoint reads both syncs' pieces, each placed through its own view of the expert
+layouts (``layouts.py``).
 """
 
 from __future__ import annotations
@@ -37,11 +39,8 @@ from kernels_runtime.optim import (
     tensor_bytes,
 )
 from kernels_runtime.parallel.data.zero import ZeroGradSync
+from kernels_runtime.parallel.expert.layouts import on_expert_data
 from kernels_runtime.parallel.expert.moe_layer import LocalExperts, is_expert_parameter
-
-NO_CHECKPOINT = ("checkpoints of an expert-parallel model (ep > 1) are not available yet (issue "
-                 "29, item 4): each rank's expert slices have no layout in the global tensors; "
-                 "train and save under a plan with ep=1")
 
 
 def expert_data_context(ctx: ParallelContext) -> ParallelContext:
@@ -111,8 +110,10 @@ class ExpertGradSync(GradSync):
         settings = dict(zero_stage=zero_stage, precision=precision, bucket_mb=bucket_mb)
         dense = _Subset(model, lambda p: not is_expert_parameter(p))
         self.dense = ZeroGradSync(dense, dense_opt, ctx, layouts, **settings)
+        experts = _Subset(model, is_expert_parameter)
+        names = {n for n, _ in experts.named_parameters()}
         self.experts = None if expert_opt is None else ZeroGradSync(
-            _Subset(model, is_expert_parameter), expert_opt, self.expert_ctx, layouts, **settings)
+            experts, expert_opt, self.expert_ctx, on_expert_data(layouts, names), **settings)
 
     def _syncs(self) -> list[ZeroGradSync]:
         return [self.dense] if self.experts is None else [self.dense, self.experts]
@@ -161,4 +162,5 @@ class ExpertGradSync(GradSync):
         return out
 
     def pieces(self, saving: bool, optimizer: torch.optim.Optimizer | None) -> list[StatePiece]:
-        raise NotImplementedError(NO_CHECKPOINT)
+        """Both syncs' pieces; their states are the one inner optimizer's, read by master."""
+        return [piece for s in self._syncs() for piece in s.pieces(saving, optimizer)]

@@ -13,6 +13,10 @@ reduction gloo does not have.)
 No hang when an expert gets no token: the local experts run every step, on zero rows if none
 came (``LocalExperts.forward``), and as one unit per block, so every rank all-gathers and
 reduce-scatters every expert unit in the same order whatever the routing did.
+
+Checkpoints: FSDP2 splits each slice's expert-data replicas into distinct shards, so the
+expert layouts lose their replicas here (``layouts.under_fsdp``) and FSDP's own pieces place
+every shard through them.
 """
 
 from __future__ import annotations
@@ -23,11 +27,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from kernels_runtime.mesh.context import ParallelContext
-from kernels_runtime.optim import StatePiece
 from kernels_runtime.parallel.data.fsdp import FsdpGradSync, FsdpState, shard_model
 from kernels_runtime.parallel.data.fsdp_comms import record_fsdp_comms
-from kernels_runtime.parallel.expert.grad_sync import NO_CHECKPOINT
-from kernels_runtime.parallel.expert.moe_layer import EXPERT_ATTR, LocalExperts
+from kernels_runtime.parallel.expert.layouts import under_fsdp
+from kernels_runtime.parallel.expert.moe_layer import (
+    EXPERT_ATTR,
+    LocalExperts,
+    is_expert_parameter,
+)
 from kernels_runtime.parallel.state import ParallelState
 from kernels_runtime.precision import compute_dtype
 
@@ -53,29 +60,17 @@ def shard_experts(model: nn.Module, ctx: ParallelContext, precision: str,
     record_fsdp_comms(units, ctx.comm)
 
 
-class _ExpertFsdpState(FsdpState):
-    """A zero=3 model under ep without an optimizer: checkpoints refused, not written wrong."""
-
-    def pieces(self, saving: bool, optimizer: torch.optim.Optimizer | None) -> list[StatePiece]:
-        raise NotImplementedError(NO_CHECKPOINT)
-
-
-class ExpertFsdpGradSync(FsdpGradSync):
-    """ZeRO-3 over dp, the experts over expert-dp (module docstring)."""
-
-    def pieces(self, saving: bool, optimizer: torch.optim.Optimizer | None) -> list[StatePiece]:
-        raise NotImplementedError(NO_CHECKPOINT)
-
-
 def apply_zero3(model: nn.Module, state: ParallelState) -> None:
     """The zero=3 data step of an expert-parallel model (replicas already made equal)."""
     ctx, plan = state.ctx, state.ctx.plan
     shard_experts(model, ctx, plan.precision, state.replaced_params)
+    names = {n for n, p in model.named_parameters() if is_expert_parameter(p)}
+    layouts = under_fsdp(state.layouts, names)
     if state.optimizer is None:
         shard_model(model, state.blocks, ctx, plan.precision)
-        state.model_state = _ExpertFsdpState(model, ctx, state.layouts)
+        state.model_state = FsdpState(model, ctx, layouts)
     else:
-        state.grad_sync = ExpertFsdpGradSync(model, state.optimizer, ctx, state.layouts,
-                                             blocks=state.blocks, precision=plan.precision,
-                                             replaced=state.replaced_params)
+        state.grad_sync = FsdpGradSync(model, state.optimizer, ctx, layouts,
+                                       blocks=state.blocks, precision=plan.precision,
+                                       replaced=state.replaced_params)
         state.model_state = state.grad_sync
