@@ -18,7 +18,8 @@ The rules, read from the source alone (no import):
 - a bare annotation in the class body (``ctx: ParallelContext``) declares an attribute that a
   helper function sets, in plain sight.
 
-``ASSERTED`` lists the folders held to it; the rest of the tree is reported (``-s`` shows it).
+``ASSERTED`` lists the folders held to it (both packages); anything else scanned is reported
+(``-s`` shows it).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import kernels_runtime
 
 REPO = Path(kernels_runtime.__file__).parent.parent
 SCANNED = ("kernels_runtime", "workbench")
-ASSERTED = ("kernels_runtime",)
+ASSERTED = ("kernels_runtime", "workbench")
 TRANSPARENT = {"object", "ABC", "Generic", "Protocol"}  # library bases that set nothing
 
 
