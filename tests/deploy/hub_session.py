@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,15 +22,11 @@ from typing import Any
 import requests
 import websocket
 
+from helpers.jupyter import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "deploy" / "jupyterhub" / "jupyterhub_config.py"
 PASSWORD = "playground-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
