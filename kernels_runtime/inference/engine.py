@@ -18,7 +18,6 @@ tensor parallelism) and gathers the results to every rank.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import os
 import time
@@ -36,6 +35,7 @@ from kernels_runtime.inference.attention import PagedLayer, install
 from kernels_runtime.inference.batch import StepBatch, build_batch
 from kernels_runtime.inference.blocks import BlockPool
 from kernels_runtime.inference.kv_cache import PagedKVCache, blocks_for, bytes_per_block
+from kernels_runtime.inference.model_reading import attention_modules, eos_token_ids
 from kernels_runtime.inference.params import RequestOutput, SamplingParams
 from kernels_runtime.inference.plans import inference_plan, inference_problem
 from kernels_runtime.inference.requests import (
@@ -53,7 +53,6 @@ from kernels_runtime.inference.speculation import PromptLookup, target_tokens
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.plan import Plan, PlanError
 from kernels_runtime.parallel.state import parallel_state
-from kernels_runtime.policies import find_module
 from kernels_runtime.precision import compute_dtype
 
 # the default KV cache of all ranks sharing a device (or host) together takes at most this
@@ -96,7 +95,7 @@ class Engine:
         self.model, self.state, self.ctx = model.eval(), state, state.ctx
         self.tokenizer, self.block_size = tokenizer, block_size
         self.adapters = AdapterSet(model, state, adapters)  # LoRA adapters by name
-        attention, hidden = _attention_modules(model, state, max_model_len)
+        attention, hidden = attention_modules(model, state, max_model_len)
         config = model.config if attention is not None else None
         limit = getattr(config, "max_position_embeddings", None) or max_model_len or 2**31
         self.max_model_len = min(max_model_len or limit, limit)
@@ -119,7 +118,7 @@ class Engine:
         self.pool = BlockPool(num_blocks, block_size, prefix_sharing)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_batch_tokens, preemption)
         self.speculation = PromptLookup(self.scheduler)  # requests with speculate=... only
-        self.eos = _eos_ids(model)
+        self.eos = eos_token_ids(model)
         self.generator = torch.Generator().manual_seed(seed)
         self.sequences: dict[str, Sequence] = {}
         self.rejected: list[RequestOutput] = []  # bad requests, reported by the next step
@@ -376,42 +375,6 @@ class Engine:
         return dict(tiers()) if tiers is not None else None
 
 
-def _attention_modules(model: nn.Module, state: Any,
-                       max_model_len: int | None) -> tuple[list[nn.Module] | None, int]:
-    """(HF attention modules of this rank's blocks, hidden size), or (None, 0) for a decoder
-    the generic policy covers, which must take ``position_ids`` and bound its context."""
-    config = getattr(model, "config", None)
-    layout = state.policy.model_layout(model)
-    if config is not None and layout is not None and layout.attention is not None:
-        if not layout.attention.causal:
-            raise TypeError(f"the inference engine serves causal decoders; "
-                            f"{type(model).__name__} attends both ways")
-        return ([find_module(b, layout.attention.path)[1] for b in state.blocks],
-                int(config.hidden_size))
-    name = type(model).__name__
-    if "position_ids" not in inspect.signature(model.forward).parameters:
-        raise TypeError(f"{name} is served as a generic decoder, whose forward must take "
-                        "position_ids (the engine runs every request's tokens in one row, "
-                        "each at its own position): forward(input_ids, position_ids)")
-    if not max_model_len:
-        raise TypeError(f"{name} is served as a generic decoder: give its context length, "
-                        "Engine(..., max_model_len=N)")
-    if state.ctx.size("pp") > 1:
-        raise TypeError(f"{name}: inference pipelines need an HF decoder (their stages run "
-                        "the model's own forward); use tp or dp replicas")
-    return None, 0
-
-
 def _index(out: RequestOutput) -> int:
     """The prompt's index in its ``generate`` call (request ids end in it)."""
     return int(out.request_id.rsplit("-", 1)[1])
-
-
-def _eos_ids(model: nn.Module) -> set[int]:
-    out: set[int] = set()
-    for config in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        value = getattr(config, "eos_token_id", None)
-        if value is None:
-            continue
-        out.update(value if isinstance(value, (list, tuple)) else [value])
-    return {int(v) for v in out}
