@@ -29,6 +29,9 @@ published under ``TELEMETRY_KEY``::
                 blocks_total, blocks_used,      its paged KV cache now (blocks of block_size
                 blocks_free, blocks_shared,     tokens; shared: held by several requests)
                 block_size, preemptions, ...}   or None: no engine stepped in this cell
+    expert_load: {step, layers, counts,         tokens this rank routed to each expert of each
+                  tokens, imbalance}            MoE layer in the last step (``expert_load.py``),
+                                                or None: no expert-parallel step in this cell
 
 Group names are the mesh axes (dp, pp, sp, tp) or "world". Tokens and samples are this rank's
 own (its data-parallel shard), so FLOP/s is this rank's achieved model FLOP/s.
@@ -48,6 +51,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kernels_runtime.telemetry.curves import TrainingCurves
+from kernels_runtime.telemetry.expert_load import ExpertLoad
 from kernels_runtime.telemetry.flops import model_shape, training_flops_per_token
 from kernels_runtime.telemetry.publisher import Publisher, Send
 from kernels_runtime.telemetry.split import StepSplitter
@@ -114,6 +118,7 @@ class Telemetry:
         self.offload: dict[str, Any] | None = None  # placement figures (``record_offload``)
         self.inference: dict[str, Any] | None = None  # an engine's figures (``record_inference``)
         self.curves = TrainingCurves()  # train_step's and eval_step's results (``record_train``)
+        self.expert_load = ExpertLoad()  # MoE layers record into it; committed at each tick
         self._totals = dict.fromkeys(("steps", "tokens", "samples", "flops"), 0)
         self._seconds = dict.fromkeys(("step", "compute", "comm", "waiting"), 0.0)
         self._models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -150,6 +155,7 @@ class Telemetry:
              flops: float | None = None) -> Iterator[None]:
         """One training step around the block; a step that raises is not recorded."""
         self.splitter.begin()
+        self.expert_load.begin_step()
         try:
             yield
         except BaseException:
@@ -162,6 +168,7 @@ class Telemetry:
         """A step ended now; it began where the previous one ended. The first tick after a
         pause only starts the clock and returns None. ``flops`` defaults to ``tokens *
         flops_per_token`` when that is set, else 0."""
+        self.expert_load.end_step()  # the routing counted since the last tick is this step's
         timing = self.splitter.end()
         if timing is None:
             self.splitter.begin()
@@ -188,15 +195,18 @@ class Telemetry:
         timeline and the inference figures (a cell without a pipeline or an engine shows
         none)."""
         self.splitter.pause()
+        self.expert_load.begin_step()
         self.recent.clear()
         self.pipeline = None
         self.inference = None
 
     def new_cell(self) -> None:
         """A notebook cell starts (the engine's pre-run hook): ``pause``, and the training
-        curves start again at step 1, so each cell's curve is its own run."""
+        curves start again at step 1 and the expert load empties, so each cell's curve and
+        heatmap are its own run's."""
         self.pause()
         self.curves.new_cell()
+        self.expert_load.new_cell()
 
     def record_train(self, loss: float, stepped: bool, grad_norm: float | None,
                      lr: float | None = None, loss_scale: float | None = None) -> None:
@@ -279,7 +289,8 @@ class Telemetry:
             "memory": memory, "comm": comm, "comm_by_axis": by_axis, "p2p_by_axis": p2p,
             "recent": [asdict(r) for r in window], "pipeline": self.pipeline,
             "offload": self.offload, "inference": self.inference,
-            "curves": self.curves.block(), "publish_errors": self.publisher.errors,
+            "curves": self.curves.block(), "expert_load": self.expert_load.block(),
+            "publish_errors": self.publisher.errors,
         }
 
     def maybe_publish(self, force: bool = False) -> bool:
@@ -307,7 +318,7 @@ class Telemetry:
         inferred = tuple(self.inference.get(k) for k in INFERENCE_STATE) if self.inference \
             else ()
         return (self._totals["steps"], calls, self.disk_spill_bytes, offloaded, inferred,
-                self.curves.state())
+                self.curves.state(), self.expert_load.steps)
 
     def _counters(self) -> dict[tuple[str, str], tuple[float, float]]:
         """(op, group) -> cumulative (bytes, blocked seconds), what the step split reads."""

@@ -23,8 +23,10 @@ above the main figure in the notebook.
 Likewise, once some rank's model has offloaded during the cell, a figure of its own: model
 state per tier per rank and what moved between tiers per step (``offload.py``); and once some
 rank's inference engine has stepped, another: generated tokens/s, the queue and the KV blocks
-per replica (``inference.py``). While an endpoint serves, its panel (``endpoint.py``:
-requests/s, in flight, KV use) stands above them all.
+per replica (``inference.py``); and once some rank has published expert load (an
+expert-parallel MoE model stepped), another: tokens per expert per MoE layer of the last step,
+summed over ranks, as a heatmap (``expert_load.py``). While an endpoint serves, its panel
+(``endpoint.py``: requests/s, in flight, KV use) stands above them all.
 
 Values are the runtime's own numbers, unscaled (bytes, seconds), so what a figure shows can be
 checked against ``CommStats`` and ``Telemetry.snapshot()``; axes format them (``~s``: 1.2M).
@@ -43,6 +45,11 @@ from plotly.subplots import make_subplots
 
 from workbench.dashboard.curves import DEFAULT_SMOOTHING, curve_layout, curve_traces
 from workbench.dashboard.endpoint import EndpointHistory, endpoint_layout, endpoint_traces
+from workbench.dashboard.expert_load import (
+    expert_load_height,
+    expert_load_layout,
+    expert_load_traces,
+)
 from workbench.dashboard.history import RunHistory
 from workbench.dashboard.inference import inference_layout, inference_traces
 from workbench.dashboard.offload import offload_layout, offload_traces
@@ -206,6 +213,19 @@ def build_inference_figure(history: RunHistory, widget: bool = True) -> go.Figur
 def update_inference_figure(fig: go.Figure, history: RunHistory) -> None:
     """Bring the inference figure up to date in one batch (a second replica adds its line)."""
     _update_panel(fig, history, inference_traces, inference_layout)
+
+
+def build_expert_load_figure(history: RunHistory, widget: bool = True) -> go.Figure | None:
+    """The expert-load heatmap of ``history`` as its own figure; None while no rank has
+    published expert load in this cell."""
+    return _build_panel(history, expert_load_traces, expert_load_layout,
+                        expert_load_height(history), widget, top=70)
+
+
+def update_expert_load_figure(fig: go.Figure, history: RunHistory) -> None:
+    """Bring the heatmap up to date in one batch (the last step's counts, the title's
+    imbalance)."""
+    _update_panel(fig, history, expert_load_traces, expert_load_layout)
 
 
 def build_curve_figure(history: RunHistory, widget: bool = True,

@@ -18,7 +18,8 @@ during the run (``offloads``), since they outlive a cell.
 
 An inference engine's points keep its queue (running, waiting, swapped) and which replica the
 rank stands for (``inference.py`` counts each replica once); its block is per cell already
-(telemetry forgets it when a cell starts), so ``inferences`` needs no baseline.
+(telemetry forgets it when a cell starts), so ``inferences`` needs no baseline; so is an
+expert-parallel model's expert load (``expert_loads``), whose heatmap is ``expert_load.py``.
 """
 
 from __future__ import annotations
@@ -178,6 +179,13 @@ class RunHistory:
         stepped during this run; empty without one."""
         return {r: s["inference"] for r, s in sorted(self.latest.items())
                 if isinstance(s.get("inference"), dict)}
+
+    def expert_loads(self) -> dict[int, dict[str, Any]]:
+        """Rank -> its latest expert-load block (tokens per expert per MoE layer in its last
+        step, ``kernels_runtime.telemetry.expert_load``); empty before an expert-parallel
+        step in this cell (telemetry forgets the block when a cell starts)."""
+        return {r: s["expert_load"] for r, s in sorted(self.latest.items())
+                if isinstance(s.get("expert_load"), dict)}
 
     def rank_series(self, rank: int, key: str) -> list[float]:
         """``tokens_per_s``, ``samples_per_s`` or ``flops_per_s`` of one rank at each point."""

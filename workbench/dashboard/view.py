@@ -1,8 +1,9 @@
 """``Dashboard``: a run's figures for the notebook (live widgets) and for a report file.
 
-The main figure is always there; the stage timeline (a pipeline ran), the offload panel (a
-model offloaded) and the inference panel (an engine generated) join it as figures of their own
-once the run has their data, because a shown widget cannot be relayouted into a new subplot
+The main figure is always there; the expert-load heatmap (an expert-parallel MoE model
+stepped), the stage timeline (a pipeline ran), the offload panel (a model offloaded) and the
+inference panel (an engine generated) join it as figures of their own once the run has
+their data, because a shown widget cannot be relayouted into a new subplot
 grid (``figures.py``). The curves panel (loss, eval loss, LR, grad norm; ``curves.py``) joins on
 top, with a smoothing slider like TensorBoard's, once some rank has run a training step. A
 serving endpoint's dashboard (``workbench.serving.display``) has the
@@ -21,7 +22,8 @@ from workbench.dashboard.history import RunHistory
 
 class Dashboard:
     """Shows a ``RunHistory``: displays as a box of plotly ``FigureWidget``s (the main figure,
-    below it the stage timeline once a pipeline step has been published, the offload panel
+    below it the expert-load heatmap once an expert-parallel step has been published, the
+    stage timeline once a pipeline step has been published, the offload panel
     once a model has offloaded and the inference panel once an engine has stepped);
     ``to_html`` writes a standalone report. plotly is imported on first use, not with the
     magics."""
@@ -39,6 +41,7 @@ class Dashboard:
         self._stages: Any = None
         self._offload: Any = None
         self._inference: Any = None
+        self._expert_load: Any = None
         self._box: Any = None
 
     @property
@@ -119,6 +122,16 @@ class Dashboard:
         return self._inference
 
     @property
+    def expert_load_figure(self) -> Any:
+        """The live ``FigureWidget`` of the expert-load heatmap, or None while no rank has
+        published expert load."""
+        if self._expert_load is None:
+            from workbench.dashboard.figures import build_expert_load_figure
+
+            self._expert_load = build_expert_load_figure(self.history, widget=True)
+        return self._expert_load
+
+    @property
     def endpoint_figure(self) -> Any:
         """The live ``FigureWidget`` of the endpoint panel, or None: no endpoint (or not
         sampled yet)."""
@@ -161,6 +174,8 @@ class Dashboard:
             figures.update_offload_figure(self._offload, self.history)
         if self._inference is not None:
             figures.update_inference_figure(self._inference, self.history)
+        if self._expert_load is not None:
+            figures.update_expert_load_figure(self._expert_load, self.history)
         if self._box is not None and self._new_figures():
             self._box.children = self._figures()
 
@@ -168,10 +183,10 @@ class Dashboard:
         """Builds the figures the run has data for by now; True if one of them is new (the
         new one is built from the current data, so it needs no update)."""
         missing = (self._stages is None, self._offload is None, self._inference is None,
-                   self._endpoint is None, self._curves is None)
+                   self._endpoint is None, self._curves is None, self._expert_load is None)
         built = (self.stage_figure is not None, self.offload_figure is not None,
                  self.inference_figure is not None, self.endpoint_figure is not None,
-                 self.curve_figure is not None)
+                 self.curve_figure is not None, self.expert_load_figure is not None)
         return any(m and b for m, b in zip(missing, built))
 
     def to_figure(self) -> Any:
@@ -182,10 +197,11 @@ class Dashboard:
 
     def to_html(self, path: str | os.PathLike[str], include_plotlyjs: bool | str = True) -> Path:
         """Write a standalone HTML report: the endpoint panel if serving, the main figure,
-        under it the training curves if the cell trained, the stage timeline if a pipeline
-        ran, the offload panel if a model offloaded and the inference panel if an engine
-        generated; plotly.js is embedded by default so the file opens offline (about 4.5 MB);
-        pass ``include_plotlyjs="cdn"`` for a small file that loads it from the network."""
+        under it the training curves if the cell trained, the expert-load heatmap if an
+        expert-parallel model stepped, the stage timeline if a pipeline ran, the offload panel
+        if a model offloaded and the inference panel if an engine generated; plotly.js is
+        embedded by default so the file opens offline (about 4.5 MB); pass
+        ``include_plotlyjs="cdn"`` for a small file that loads it from the network."""
         from workbench.dashboard import figures
 
         path = Path(path)
@@ -195,6 +211,7 @@ class Dashboard:
         curves = figures.build_curve_figure(self.history, widget=False,
                                             smoothing=self.smoothing)
         shown = [f for f in (endpoint, self.to_figure(), curves,
+                             figures.build_expert_load_figure(self.history, widget=False),
                              figures.build_stage_figure(self.history, widget=False),
                              figures.build_offload_figure(self.history, widget=False),
                              figures.build_inference_figure(self.history, widget=False))
@@ -209,7 +226,8 @@ class Dashboard:
 
     def _figures(self) -> tuple[Any, ...]:
         top = (self.endpoint_figure, self.curves_box)
-        extra = (self.stage_figure, self.offload_figure, self.inference_figure)
+        extra = (self.expert_load_figure, self.stage_figure, self.offload_figure,
+                 self.inference_figure)
         return (*(f for f in top if f is not None), self.figure,
                 *(f for f in extra if f is not None))
 

@@ -13,13 +13,15 @@ telemetry of the running (or last) ``%%colossal`` cell, with its pipeline stage 
 plotly traces when the cell ran a pipeline, its offload panel (model state per tier, bytes
 moved between tiers per step) as plotly traces and layout when a model offloaded, and its
 inference panel (generated tokens/s, the queue, KV blocks per replica) likewise when an engine
-generated, and its curves panel (loss, eval loss, LR, grad norm per training step) when the
-cell trained. While ``%colossal serve`` serves (no cell runs; ``workbench.serving.display``
-writes from a thread), the serving ranks' telemetry stands as the running cell ("serving
-ENGINE at URL") and an ``endpoint`` block holds the endpoint: its address, state or failure,
-requests/s, in flight, the engines' queue and KV blocks, and its panel as plotly traces; None
-when nothing serves. Writes during a cell or while serving are rate-limited
-(``min_interval_s``, 0.5 s) so a long training loop costs the kernel next to nothing.
+generated, its curves panel (loss, eval loss, LR, grad norm per training step) when the
+cell trained, and its expert-load heatmap (tokens per expert per MoE layer of the last step,
+summed over ranks) when an expert-parallel model stepped. While ``%colossal serve`` serves
+(no cell runs; ``workbench.serving.display`` writes from a thread), the serving ranks'
+telemetry stands as the running cell ("serving ENGINE at URL") and an ``endpoint`` block holds
+the endpoint: its address, state or failure, requests/s, in flight, the engines' queue and KV
+blocks, and its panel as plotly traces; None when nothing serves. Writes during a cell or
+while serving are rate-limited (``min_interval_s``, 0.5 s) so a long training loop costs the
+kernel next to nothing.
 
 Files of dead processes (pid gone on this host) are stale: ``read_pools`` deletes them.
 This module imports neither torch nor jupyter_server: the kernel imports it (``workbench``
@@ -43,6 +45,7 @@ from typing import Any
 
 from workbench.dashboard.curves import curve_layout, curve_traces
 from workbench.dashboard.endpoint import EndpointHistory
+from workbench.dashboard.expert_load import expert_load_layout, expert_load_traces
 from workbench.dashboard.history import RunHistory, collective_bytes
 from workbench.dashboard.inference import inference_layout, inference_traces
 from workbench.dashboard.offload import offload_layout, offload_traces
@@ -116,6 +119,7 @@ def _cell_block(history: RunHistory, running: bool) -> dict[str, Any]:
         "stages": _stages_block(history),
         "offload": _panel_block(history, offload_traces, offload_layout),
         "inference": _panel_block(history, inference_traces, inference_layout),
+        "expert_load": _panel_block(history, expert_load_traces, expert_load_layout),
         # loss, eval loss, LR, grad norm per step; the page's slider smooths the raw traces
         "curves": _panel_block(history, lambda h, last: curve_traces(h.curves, last=last),
                                lambda h: curve_layout(h.curves)),

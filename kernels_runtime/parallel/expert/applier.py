@@ -60,7 +60,7 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
         return model
     for path, block, spec in moe_blocks(model):
         experts = getattr(block, spec.experts)
-        swapped = ExpertParallelMoE(block, ctx.comm, ctx.group("ep"), spec)
+        swapped = ExpertParallelMoE(block, ctx.comm, ctx.group("ep"), spec, name=path)
         for name in ("gate_up_proj", "down_proj"):
             state.replaced_params[id(getattr(experts, name))] = getattr(swapped.experts, name)
         model.set_submodule(path, swapped)

@@ -17,7 +17,10 @@ the ep ranks of a group each hold E/ep experts and their own tokens, and one ste
    undone, and each token sums its k rows weighted by its routing weights.
 
 The split sizes are read on the host (torch's all-to-all takes Python lists), one small sync
-per layer. Shapes: t tokens on this rank, h hidden, k choices, n rows received.
+per layer: the per-expert row counts (E,) are read whole, so the send splits are their sums per
+rank and the counts themselves are the layer's expert load (``Dispatched.counts``, which
+``moe_forward`` hands to ``on_counts``: the telemetry's tokens per expert) at no extra sync.
+Shapes: t tokens on this rank, h hidden, k choices, n rows received.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class Dispatched:
     """What ``combine`` needs to undo ``dispatch``: the sort of the slots and the split sizes."""
 
     order: Tensor  # (t*k,) slot indices sorted by expert
+    counts: list[int]  # (E,) rows this rank sent to each expert (global index): its load
     send: list[int]  # rows sent to each rank of the group
     recv: list[int]  # rows received from each rank
     recv_counts: Tensor  # (ep, E/ep) rows received from each rank for each local expert
@@ -79,10 +83,13 @@ def dispatch(hidden: Tensor, routing: Routing, num_experts: int, comm: Collectiv
     rows = hidden.index_select(0, order // k)  # (t*k, h) sorted by expert, so by rank
     counts = torch.bincount(slots, minlength=num_experts)  # (E,)
     recv_counts = exchange_counts(counts, comm, group)  # (ep, E/ep)
-    send = counts.view(ep, -1).sum(dim=1).tolist()
+    per_expert = counts.tolist()  # the host read the send splits need anyway, whole
+    local = num_experts // ep
+    send = [sum(per_expert[r * local:(r + 1) * local]) for r in range(ep)]
     recv = recv_counts.sum(dim=1).tolist()
     received = all_to_all_v(rows, comm, group, send, recv)  # (n, h)
-    return received, Dispatched(order=order, send=send, recv=recv, recv_counts=recv_counts)
+    return received, Dispatched(order=order, counts=per_expert, send=send, recv=recv,
+                                recv_counts=recv_counts)
 
 
 def _inverse(order: Tensor) -> Tensor:
@@ -118,8 +125,12 @@ def combine(rows: Tensor, routing: Routing, record: Dispatched, comm: Collective
 
 
 def moe_forward(hidden: Tensor, routing: Routing, num_experts: int, expert: ExpertFn,
-                comm: Collectives, group: Group) -> Tensor:
-    """The whole expert-parallel MoE step for this rank's tokens: (t, h) -> (t, h)."""
+                comm: Collectives, group: Group,
+                on_counts: Callable[[list[int]], None] | None = None) -> Tensor:
+    """The whole expert-parallel MoE step for this rank's tokens: (t, h) -> (t, h).
+    ``on_counts`` receives the rows this rank sent to each expert (E ints, already on the host)."""
     received, record = dispatch(hidden, routing, num_experts, comm, group)  # (n, h)
+    if on_counts is not None:
+        on_counts(record.counts)
     out = run_local_experts(received, record.recv_counts, expert)  # (n, h)
     return combine(out, routing, record, comm, group, hidden.dtype)  # (t, h)

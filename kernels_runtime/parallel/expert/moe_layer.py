@@ -14,6 +14,11 @@ Gradients: the router (and everything outside the MoE blocks) is replicated over
 seeing its own tokens, so its gradients are summed over dp x ep; an expert's gradient already
 holds every ep rank's tokens (the all-to-all brought them) and is summed over the
 expert-data-parallel group only. ``is_expert_parameter`` tells the two apart.
+
+Expert load: each forward hands the rows this rank routed to each expert (the counts dispatch
+reads on the host anyway) to the telemetry of its collectives (``ExpertLoad``), under the
+block's ``name``; activation checkpointing's replay of the forward in backward is not counted
+again (the routing is the same).
 """
 
 from __future__ import annotations
@@ -95,15 +100,22 @@ def _spec_of(block: nn.Module) -> MoeSpec:
     return spec
 
 
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass: a forward run then is activation
+    checkpointing's replay, whose routing the forward already counted."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class ExpertParallelMoE(nn.Module):
     """``block``'s router (and shared expert), replicated, and this rank's share of its experts
-    over ``group``."""
+    over ``group``. ``name`` labels its row of the expert load (the applier passes the block's
+    module path)."""
 
     def __init__(self, block: nn.Module, comm: Collectives, group: Group,
-                 spec: MoeSpec | None = None) -> None:
+                 spec: MoeSpec | None = None, name: str = "moe") -> None:
         super().__init__()
         spec = spec if spec is not None else _spec_of(block)
-        self.comm, self.group = comm, group
+        self.comm, self.group, self.name = comm, group, name
         self.jitter_noise = getattr(block, "jitter_noise", 0.0)
         self.gate = getattr(block, spec.router)
         self.top_k = getattr(block, "top_k", getattr(self.gate, "top_k", None))
@@ -121,13 +133,21 @@ class ExpertParallelMoE(nn.Module):
         # through the module so HF records the logits; its own top-k and normalization
         _, weights, experts = self.gate(flat)  # (t, k), (t, k)
         out = moe_forward(flat, Routing(experts=experts, weights=weights),
-                          self.experts.num_experts, self.experts, self.comm, self.group)  # (t, h)
+                          self.experts.num_experts, self.experts, self.comm, self.group,
+                          self._record_load)  # (t, h)
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)  # (t, h)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
         return out.reshape(batch, seq, hidden)
+
+    def _record_load(self, counts: list[int]) -> None:
+        """This forward's rows per expert into the rank's telemetry (none outside a session's
+        collectives; a checkpointed block's replay in backward is skipped)."""
+        load = getattr(getattr(self.comm, "telemetry", None), "expert_load", None)
+        if load is not None and not _in_backward():
+            load.record(self.name, counts)
 
 
 def is_expert_parameter(param: Tensor) -> bool:

@@ -11,6 +11,8 @@
 // on top and the serving ranks' telemetry is the running cell. A cell that trains has the curves
 // panel on top (loss and eval loss on a log axis, LR, grad norm; curves.py), its smoothed
 // traces smoothed again here from their raw ones as the slider moves (TensorBoard's EMA).
+// A cell whose expert-parallel MoE model steps has the expert-load heatmap under the four
+// charts (tokens per expert per layer of the last step, all ranks; expert_load.py).
 (function () {
   'use strict';
   const cfg = window.COLOSSAL;
@@ -78,6 +80,7 @@
     renderStages(cell ? cell.stages : null);
     renderPanel('offload', cell ? cell.offload : null);
     renderPanel('inference', cell ? cell.inference : null);
+    renderPanel('expert-load', cell ? cell.expert_load : null);
     renderEndpoint(doc.endpoint);
 
     let text = doc.world_size + ' ranks, ' + stateLabel(doc);
