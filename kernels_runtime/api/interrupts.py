@@ -1,11 +1,16 @@
-"""Holding an interrupt until the training step is whole, and stopping every rank at the same one.
+"""Holding an interrupt until the training step is whole, so every rank stops after the same one.
 
 The notebook's stop button reaches every rank as SIGINT, a moment apart. Raised where it lands,
 it would leave some parameters updated and others not, and the ranks would disagree on which
 step they stopped at: a pipeline's last stage is already waiting inside the next step while the
-first stage still runs the backward of this one. So inside ``held_interrupts()`` a SIGINT is only
-noted; at the end of the step every rank says whether it saw one (``stop_requested``, folded into
-the step's one host synchronization) and all of them stop after the same step, or none does.
+first stage still runs the backward of this one. So inside ``held_interrupts()`` (the whole of
+``train_step``: its schedule and the optimizer step) a SIGINT is only noted, and raised once the
+step is applied. Why that is enough: a rank cannot complete a step its peers have not reached
+(every step ends in communication with them), so a rank interrupted between steps has
+completed the same steps as a peer holding its interrupt to the end of the step, and a rank
+already waiting inside the next step completes nothing more (it waits until the others answer
+or its collective times out, which the pool's interrupt handling reports). No extra collective
+is needed, so the step's communication is unchanged.
 
 A second SIGINT inside the block raises at once: the way out of a step stuck in a collective.
 Only the main thread receives signals; elsewhere the block notes nothing.
@@ -18,7 +23,7 @@ import signal
 import threading
 from collections.abc import Iterator
 
-STOPPED = "interrupted; every rank completed the same training step and stopped after it"
+STOPPED = "interrupted; the training step that was running completed, and stopped after it"
 
 
 @contextlib.contextmanager

@@ -64,15 +64,11 @@ def train_step(
                 stepped = optimizer.step()
         mean = total / n
         ctx.comm.all_reduce(mean, group=ctx.dp_group)
-        stop = torch.full_like(mean, float(bool(interrupts)))
-        if ctx.world_size > 1:  # any rank interrupted: all stop after this step
-            ctx.comm.all_reduce(stop, op=torch.distributed.ReduceOp.MAX)
-        loss_sum, stop_value = torch.stack([mean, stop]).tolist()  # the one host sync
-        result = StepResult(loss_sum / ctx.dp_size, stepped, optimizer.last_grad_norm)
-        if not stop_value:  # published with this step's telemetry: host values, no more syncs
-            telemetry.record_train(result.loss, result.stepped, result.grad_norm,
-                                   *_lr_and_scale(optimizer))
-    if stop_value:
+        result = StepResult(mean.item() / ctx.dp_size, stepped, optimizer.last_grad_norm)
+        # published with this step's telemetry: host values, no more syncs
+        telemetry.record_train(result.loss, result.stepped, result.grad_norm,
+                               *_lr_and_scale(optimizer))
+    if interrupts:  # the step is applied and counted on this rank: stop after it
         raise KeyboardInterrupt(STOPPED)
     return result
 

@@ -342,7 +342,8 @@ def test_pipeline_notebook_runs_every_schedule_and_measures_the_bubble(tmp_path,
     assert len(rel) == 4 and max(rel) <= 1e-5
     for name in ("gpipe", "1f1b", "interleaved", "zbv"):  # each report has the stage figure
         html = (tmp_path / "reports" / f"pipeline_{name}.html").read_text()
-        assert html.count("Plotly.newPlot(") == 2, name
+        assert html.count("Plotly.newPlot(") == 3, name  # the main figure, curves, stages
+        assert '"curves: loss"' in html, name
         assert '"stage: F (forward)"' in html and '"stage: B (backward)"' in html, name
         assert ('"stage: W (weight grads)"' in html) == (name == "zbv"), name
         assert '"p2p: pp"' in html, name
