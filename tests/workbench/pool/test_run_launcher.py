@@ -27,7 +27,7 @@ from workbench.cli import main
 from workbench.notebook_runner import report_path
 from workbench.pool.start_options import ENV, add_launch_options, to_line, with_env_options
 
-NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[3] / "notebooks"
 
 
 def _cli(*argv: str) -> argparse.Namespace:
