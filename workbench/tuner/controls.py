@@ -7,6 +7,11 @@ away in a ``%%colossal --plan`` line. The pipeline's controls (stages, schedule,
 rank, micro-batches) are plain fields like the others: the prediction and a measured trial
 follow whatever they say, and ``Plan.validate`` explains the combinations a pipeline refuses
 (fewer micro-batches than stages, chunks without interleaved, ZeRO-2/3).
+
+Controls come in groups, one per dimension of a plan (``GROUPS``: data, tensor, pipeline,
+sequence, expert, memory, precision), each with its full label and a tooltip saying what the
+field does. Labels take their natural width (``description_width: initial``): a fixed label
+column clipped the long ones ("activation ch...") in the browser.
 """
 
 from __future__ import annotations
@@ -50,6 +55,51 @@ LABELS = {  # field -> what the control says
     "ep": "expert parallel (ep)",
 }
 
+TOOLTIPS = {  # field -> what hovering the control explains
+    "dp": "data-parallel replicas: each holds a copy of the model and a share of the batch; "
+          "auto takes what tp x pp x sp leave of the ranks",
+    "zero_stage": "ZeRO shards model state over the data ranks: 1 optimizer states, "
+                  "2 + gradients, 3 + parameters (gathered per block when needed)",
+    "microbatches": "micro-batches each data-parallel rank's batch is split into: gradient "
+                    "accumulation, and what a pipeline schedule streams through its stages",
+    "tp": "tensor-parallel ranks splitting every weight matrix (heads, MLP columns)",
+    "tp_mode": "1d: Megatron row/column split; 2d: SUMMA on a q x q grid; 2.5d: d stacked "
+               "q x q grids",
+    "tp_depth": "2.5d only: the number d of stacked q x q grids (tp = d*q*q)",
+    "pp": "pipeline stages: consecutive blocks on different ranks, micro-batches streamed",
+    "pp_schedule": "the order stages run micro-batches: gpipe, 1f1b, interleaved (several "
+                   "chunks per rank), zbv (zero-bubble V)",
+    "pp_chunks": "model chunks per pipeline rank (interleaved schedule only)",
+    "sp": "ranks the sequence is split over (the sp axis): Ulysses all-to-all or ring "
+          "attention",
+    "sp_mode": "none; split_gather: Megatron sequence parallelism inside the tp group (sp=1); "
+               "all_to_all (Ulysses) or ring over the sp axis",
+    "ep": "expert-parallel ranks splitting the experts of every mixture-of-experts block; "
+          "ep divides dp",
+    "activation_checkpointing": "keep only each block's input and recompute the block in "
+                                "backward: less activation memory, one more forward",
+    "offload": "move model state off the device: static (fixed shares below) or auto "
+               "(evict under the device budget)",
+    "device_mem": "offload: device memory per rank the model state may use",
+    "host_mem": "offload: host memory per rank; beyond it state spills to disk",
+    "offload_params": "offload=static: share of the parameters kept off the device",
+    "offload_grads": "offload=static: share of the gradients kept off the device",
+    "offload_optim": "offload=static: share of the optimizer states kept off the device",
+    "precision": "compute dtype: fp32, or bf16 / fp16 with fp32 master weights",
+}
+
+GROUPS = {  # dimension -> its fields, in the order shown
+    "data": ("dp", "zero_stage", "microbatches"),
+    "tensor": ("tp", "tp_mode", "tp_depth"),
+    "pipeline": ("pp", "pp_schedule", "pp_chunks"),
+    "sequence": ("sp", "sp_mode"),
+    "expert": ("ep",),
+    "memory": ("activation_checkpointing", "offload", "device_mem", "host_mem",
+               "offload_params", "offload_grads", "offload_optim"),
+    "precision": ("precision",),
+}
+LABEL_STYLE = {"description_width": "initial"}  # a label as wide as its text, never clipped
+
 
 def degree_choices(world_size: int) -> list[int]:
     """Degrees worth trying on ``world_size`` ranks: its divisors, powers of two up to it, and
@@ -79,22 +129,38 @@ def choices(world_size: int) -> dict[str, list[tuple[str, Any]]]:
 
 
 def make_controls(world_size: int, initial: Plan) -> dict[str, widgets.ValueWidget]:
-    """A control for every ``Plan`` field, set to ``initial``'s values."""
+    """A control for every ``Plan`` field, set to ``initial``'s values, with its full label
+    and tooltip."""
     options = choices(world_size)
-    style = {"description_width": "11em"}
-    layout = widgets.Layout(width="21em")
     controls: dict[str, widgets.ValueWidget] = {}
     for f in fields(Plan):
         value = getattr(initial, f.name)
+        common = dict(description=LABELS[f.name], tooltip=TOOLTIPS[f.name], style=LABEL_STYLE,
+                      layout=widgets.Layout(width="auto"))
         if f.name == "activation_checkpointing":
-            controls[f.name] = widgets.Checkbox(value=bool(value), description=LABELS[f.name],
-                                                style=style, layout=layout, indent=True)
+            controls[f.name] = widgets.Checkbox(value=bool(value), indent=False, **common)
             continue
-        controls[f.name] = widgets.Dropdown(options=options[f.name],
-                                            description=LABELS[f.name], style=style,
-                                            layout=layout)
+        controls[f.name] = widgets.Dropdown(options=options[f.name], **common)
         set_value(controls[f.name], value)
     return controls
+
+
+def grouped(controls: dict[str, widgets.Widget],
+            extra: dict[str, list[widgets.Widget]] | None = None) -> widgets.Widget:
+    """The controls in one box per dimension (``GROUPS``), titled, wrapping to the cell's
+    width; ``extra`` adds groups (the hardware the prediction is for)."""
+    missing = sorted(set(controls) - {n for names in GROUPS.values() for n in names})
+    if missing:  # a new Plan field must be placed in a group, or it would not be shown
+        raise ValueError(f"plan fields without a group: {', '.join(missing)}; add them to "
+                         "controls.GROUPS")
+    boxes = [(name, [controls[n] for n in names]) for name, names in GROUPS.items()]
+    boxes += list((extra or {}).items())
+    return widgets.GridBox(
+        [widgets.VBox([widgets.HTML(f"<b>{name}</b>"), *members],
+                      layout=widgets.Layout(border="1px solid #ddd", padding="2px 6px"))
+         for name, members in boxes],
+        layout=widgets.Layout(grid_template_columns="repeat(auto-fill, minmax(22em, 1fr))",
+                              grid_gap="6px"))
 
 
 def set_value(control: widgets.ValueWidget, value: Any) -> None:

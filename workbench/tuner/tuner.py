@@ -8,10 +8,18 @@ real steps of the plan on the pool (a pp plan trains through its pipeline schedu
 measured beside predicted to the trials table; "Use this plan" makes it the default of later
 ``%%colossal`` cells; "Recommend" moves the controls to ``workbench.recommend``'s choice.
 
+Controls are grouped by dimension (``controls.GROUPS``), each with its full label and a
+tooltip. Beside the prediction's table the plan is drawn (``panes``, ``figures``): memory per
+tier per rank against the budgets, and the step time's split; after "Recommend" every
+candidate plan as a point of step time against peak memory, the Pareto front joined, where a
+click selects a plan (``select``: the controls move to it); after a trial, predicted against
+measured. The figures are drawn once the tuner is shown (``panes``).
+
 Buttons act only when the kernel is idle (browser-to-kernel widget events wait for it), so a
 measurement never races a running cell. Every action reports in the message line and never
 raises into the widget machinery, where an exception would vanish into the browser console.
-The same actions are methods (``set``, ``measure``, ``use``, ``recommend``) for scripts.
+The same actions are methods (``set``, ``select``, ``measure``, ``use``, ``recommend``) for
+scripts.
 """
 
 from __future__ import annotations
@@ -29,7 +37,9 @@ from workbench.planner import recommend as recommend_plans
 from workbench.planner.cost_model import Prediction, plan_label
 from workbench.planner.recommend import per_step_workload
 from workbench.tuner import render
-from workbench.tuner.controls import make_controls, plan_from, set_value
+from workbench.tuner.breakdown import budgets
+from workbench.tuner.controls import LABEL_STYLE, grouped, make_controls, plan_from, set_value
+from workbench.tuner.panes import TunerFigures
 from workbench.tuner.trials import Trial
 from workbench.tuner.trials import measure as measure_trial
 
@@ -80,8 +90,11 @@ class Tuner:
         hw_options = ([POOL_HARDWARE] if live else []) + list(self.profiles)
         self.hardware_control = widgets.Dropdown(options=hw_options, value=hardware,
                                                  description="predict on",
-                                                 style={"description_width": "11em"},
-                                                 layout=widgets.Layout(width="21em"))
+                                                 tooltip="hardware the prediction is for",
+                                                 style=LABEL_STYLE,
+                                                 layout=widgets.Layout(width="auto"))
+        self.figures = TunerFigures(on_pick=lambda plan: self._guarded(
+            lambda: self.select(plan)))
         self.prediction_pane = widgets.HTML()
         self.message_pane = widgets.HTML()
         self.trials_pane = widgets.HTML(render.trials_html(self.trials))
@@ -156,8 +169,21 @@ class Tuner:
         else:
             self.prediction_pane.value = render.prediction_html(
                 self.prediction, self.hardware_control.value, self.memory_budget)
+        self.figures.show_prediction(
+            self.prediction, budgets(self.prediction, self.memory_budget)
+            if self.prediction is not None else {})
+        self.figures.mark_selected(self.plan)
         for button in (self.measure_button, self.use_button):
             button.button_style = "" if self.error else "primary"
+
+    def select(self, plan: Plan | str) -> Tuner:
+        """Move every control to ``plan`` (what clicking a candidate point does)."""
+        self.set(Plan.parse(plan))
+        if self.plan is not None:
+            self._say(f"selected <code>{html.escape(plan_label(self.plan))}</code>: "
+                      f"{render.seconds(self.prediction.step_time)} per step, peak "
+                      f"{render.size(self.prediction.peak_bytes)} per rank", escape=False)
+        return self
 
     # ---- actions ------------------------------------------------------------------------
     def measure(self) -> Trial | None:
@@ -187,6 +213,7 @@ class Tuner:
                           self.prediction.measurable_bytes, error=_first_line(e))
         self.trials.append(trial)
         self.trials_pane.value = render.trials_html(self.trials)
+        self.figures.show_trials(self.trials)
         if trial.ok:
             self._say(f"measured {render.seconds(trial.measured_step_s)} per step "
                       f"(predicted {render.seconds(trial.predicted_step_s)}, "
@@ -213,6 +240,7 @@ class Tuner:
         rec = recommend_plans(self.spec, self.world_size, self.memory_budget, hw,
                               precisions=tuple(p for p in ("fp32", "bf16", "fp16")
                                                if hw.supports(p)))
+        self.figures.show_candidates([*rec.ranked, *rec.over_budget], rec.budget, rec.plan)
         self.set(rec.plan)
         self._say(f"<pre style='margin:0'>{html.escape(rec.explain(3))}</pre>", escape=False)
         return rec
@@ -221,11 +249,12 @@ class Tuner:
     def _layout(self) -> widgets.Widget:
         title = widgets.HTML(f"<b>Plan tuner</b>: {html.escape(self.spec.describe())}, "
                              f"{self.world_size} ranks")
-        grid = widgets.GridBox([*self.controls.values(), self.hardware_control],
-                               layout=widgets.Layout(grid_template_columns="repeat(3, 22em)"))
+        groups = grouped(self.controls, {"prediction": [self.hardware_control]})
         buttons = widgets.HBox([self.measure_button, self.use_button, self.recommend_button])
-        return widgets.VBox([title, grid, self.prediction_pane, buttons, self.message_pane,
-                             widgets.HTML("<b>Trials</b>"), self.trials_pane])
+        return widgets.VBox([title, groups, self.prediction_pane, self.figures.prediction_box,
+                             buttons, self.message_pane, self.figures.candidates_box,
+                             widgets.HTML("<b>Trials</b>"), self.trials_pane,
+                             self.figures.trials_box])
 
     def _say(self, text: str, error: bool = False, escape: bool = True) -> None:
         self.message = text
@@ -243,6 +272,7 @@ class Tuner:
     def _ipython_display_(self) -> None:
         from IPython.display import display
 
+        self.figures.start()  # figures are drawn from the moment they can be seen
         display(self.widget)
 
     def __repr__(self) -> str:
