@@ -258,6 +258,7 @@ def test_resume_under_the_same_plan_is_exact(two, precision):
     assert rng_restored
 
 
+@pytest.mark.slow  # its one-rank fixture costs ~11 s: make test, not the inner loop
 @pytest.mark.parametrize("plan", ["dp=2 zero=3", "dp=2 zero=1", "dp=1"])
 def test_resume_under_another_plan(two, one, plan):
     expected = two["fp32", "uninterrupted"][SAVE_AT:]

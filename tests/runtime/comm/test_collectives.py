@@ -199,6 +199,7 @@ def _hang_on_rank_one(rank: int, world_size: int) -> int:
     return rank
 
 
+@pytest.mark.slow  # waits out a timeout (~6 s): make test, not the inner loop
 def test_run_ranks_kills_a_hanging_rank_at_its_timeout() -> None:
     start = time.monotonic()
     with pytest.raises(AssertionError, match="rank 1 did not finish in time and was killed"):

@@ -14,6 +14,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+# each test is a fresh interpreter (~4.5 s): make test, not the inner loop
+pytestmark = pytest.mark.slow
+
 PRELUDE = r"""
 import json
 

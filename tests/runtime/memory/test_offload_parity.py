@@ -124,7 +124,8 @@ EXTRA = {"zero3-auto-disk-bf16-accum4-clip": ("dp=2 zero=3 bf16",
                                            {"accum": 2, "clip": 0.5})}
 
 
-@pytest.mark.parametrize("case", list(CASES) + list(EXTRA))
+@pytest.mark.parametrize("case", list(CASES) + [  # the longest case (~7 s) in make test only
+    pytest.param(c, marks=pytest.mark.slow) for c in EXTRA])
 def test_offloaded_training_matches_training_without_offload(ranks, case):
     base, offload, extra = EXTRA[case] if case in EXTRA else (*CASES[case], {})
     out = ranks(2).run(_compare, base, offload, extra, timeout_s=300)
