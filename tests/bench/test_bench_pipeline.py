@@ -47,6 +47,7 @@ def measured(ranks):
     return ranks(2).run(run, SHAPE, ROUNDS, STEPS, process_comm, timeout_s=600)
 
 
+@pytest.mark.slow  # a 2-rank measurement (~5 s): make test-bench (tests/bench/conftest.py)
 def test_report_has_its_sections_and_numbers(measured, capsys):
     summary = report(measured, SHAPE, ROUNDS, STEPS)
     out = capsys.readouterr().out

@@ -226,6 +226,8 @@ def two(ranks, root) -> dict:
     return ranks(2).run(_two_ranks, root, timeout_s=300)[0]
 
 
+# ONE_RANK: the tests on the ``one`` fixture (resume on one rank after saves killed at each crash
+# point, about 13 s of rank runs) are in make test, not make test-fast's inner loop.
 @pytest.fixture(scope="module")
 def crashed(root, two) -> dict:
     """For each crash point: the folder listing and ``latest`` right after the SIGKILL."""
@@ -258,7 +260,7 @@ def test_resume_under_the_same_plan_is_exact(two, precision):
     assert rng_restored
 
 
-@pytest.mark.slow  # its one-rank fixture costs ~11 s: make test, not the inner loop
+@pytest.mark.slow  # ONE_RANK: make test, not the inner loop
 @pytest.mark.parametrize("plan", ["dp=2 zero=3", "dp=2 zero=1", "dp=1"])
 def test_resume_under_another_plan(two, one, plan):
     expected = two["fp32", "uninterrupted"][SAVE_AT:]
@@ -280,6 +282,7 @@ def test_state_dict_round_trip(two):
     assert original == copy
 
 
+@pytest.mark.slow  # ONE_RANK
 @pytest.mark.parametrize("point", CRASH_POINTS)
 def test_sigkill_during_save_keeps_the_previous_checkpoint(crashed, one, two, point):
     entries, latest = crashed[point]
@@ -298,6 +301,7 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(crashed, one, two, po
     assert latest_after == "step-00000021" and one[point, "reload"] == STEPS + 1
 
 
+@pytest.mark.slow  # ONE_RANK
 @pytest.mark.parametrize("case, kind, words", [
     ("flipped", "CheckpointError", ["rank-00001.safetensors", "SHA-256"]),
     ("truncated", "CheckpointError", ["rank-00000.safetensors", "truncated"]),
@@ -327,6 +331,7 @@ def test_export_hf_round_trip(two, root, tmp_path):
     torch.testing.assert_close(logits, two["logits20"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # ONE_RANK
 def test_export_of_a_model_without_save_pretrained(one, root, tmp_path):
     from safetensors.torch import load_file
 
