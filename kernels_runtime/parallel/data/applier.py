@@ -67,7 +67,7 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
                                            replaced=state.replaced_params)
             state.model_state = state.grad_sync
     if (offloading or plan.zero_stage != 3) and plan.precision != "fp32":
-        model.register_forward_pre_hook(_input_caster(compute_dtype(plan.precision)),
+        model.register_forward_pre_hook(input_caster(compute_dtype(plan.precision)),
                                         with_kwargs=True)
     state.applied.append("data")
     return model
@@ -75,13 +75,19 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
 
 def sync_module_states(model: nn.Module, ctx: ParallelContext) -> None:
     """Broadcast parameters and buffers from the first rank of each dp group."""
-    if ctx.dp_size == 1:
+    broadcast_from_first([*model.parameters(), *model.buffers()], ctx, ctx.dp_group,
+                         ctx.dp_size)
+
+
+def broadcast_from_first(tensors: list[torch.Tensor], ctx: ParallelContext, group: Any,
+                         size: int) -> None:
+    """Make ``tensors`` equal over ``group`` (``size`` ranks) from its first rank; empty, meta
+    (a loader fills every rank) and single-value views are left alone."""
+    if size == 1:
         return
-    group = ctx.dp_group
     src = dist.get_global_rank(group, 0)
-    tensors = [t for t in [*model.parameters(), *model.buffers()]
+    pending = [ctx.comm.broadcast_async(t.data, src=src, group=group) for t in tensors
                if t.numel() and not t.is_meta and not _one_value(t)]
-    pending = [ctx.comm.broadcast_async(t.data, src=src, group=group) for t in tensors]
     for op in pending:
         op.wait()
 
@@ -92,7 +98,7 @@ def _one_value(t: torch.Tensor) -> bool:
     return t.dim() > 0 and 0 in t.stride() and t.untyped_storage().nbytes() <= t.element_size()
 
 
-def _input_caster(dtype: torch.dtype):
+def input_caster(dtype: torch.dtype):
     """Cast floating-point inputs to the model's dtype (pixel values, embeddings passed in)."""
 
     def cast(t: Any) -> Any:

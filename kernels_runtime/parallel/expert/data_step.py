@@ -11,7 +11,6 @@ rank 0's experts everywhere). And training reduces each kind over its own group
 
 from __future__ import annotations
 
-import torch.distributed as dist
 from torch import nn
 
 from kernels_runtime.deferred_params import move_real
@@ -27,21 +26,13 @@ from kernels_runtime.precision import compute_dtype
 
 
 def sync_replicas(model: nn.Module, ctx: ParallelContext) -> None:
-    """Broadcast non-expert tensors over dp and expert slices over expert-dp, each from its
-    group's first rank (collective over both groups, in one fixed order on every rank)."""
+    """Non-expert tensors equal over dp and expert slices over expert-dp, each from its group's
+    first rank (the two groups in one fixed order on every rank)."""
     experts = [p for p in model.parameters() if is_expert_parameter(p)]
     seen = {id(p) for p in experts}
-    dense = [t for t in [*model.parameters(), *model.buffers()]
-             if id(t) not in seen and t.numel() and not t.is_meta]
-    pending = []
-    for tensors, group, size in ((dense, ctx.dp_group, ctx.dp_size),
-                                 (experts, ctx.group("edp"), ctx.dp_size // ctx.plan.ep)):
-        if size == 1:
-            continue
-        src = dist.get_global_rank(group, 0)
-        pending += [ctx.comm.broadcast_async(t.data, src=src, group=group) for t in tensors]
-    for op in pending:
-        op.wait()
+    dense = [t for t in [*model.parameters(), *model.buffers()] if id(t) not in seen]
+    data.broadcast_from_first(dense, ctx, ctx.dp_group, ctx.dp_size)
+    data.broadcast_from_first(experts, ctx, ctx.group("edp"), ctx.dp_size // ctx.plan.ep)
 
 
 def apply(model: nn.Module, state: ParallelState) -> nn.Module:
@@ -65,7 +56,7 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
                                          replaced=state.replaced_params)
         state.model_state = state.grad_sync
     if plan.zero_stage != 3 and plan.precision != "fp32":  # FSDP2 casts inputs itself
-        model.register_forward_pre_hook(data._input_caster(compute_dtype(plan.precision)),
+        model.register_forward_pre_hook(data.input_caster(compute_dtype(plan.precision)),
                                         with_kwargs=True)
     state.applied.append("data")
     return model
