@@ -251,10 +251,11 @@ def predict(plan: Plan | str, model: Any, hardware: HardwareProfile | str = "H10
     check_grid(st)
     if st.pp > 1:
         return _predict_pipelined(st)
-    return Prediction(st, _memory(st), _time(st))
+    return Prediction(st, memory_items(st), _time(st))
 
 
-def _memory(st: Setting) -> list[MemoryItem]:
+def memory_items(st: Setting) -> list[MemoryItem]:
+    """The memory terms of one rank (``st.pp_rank``'s stage under pp), offload's or not."""
     terms = OFFLOAD_MEMORY_TERMS if st.plan.offload != "none" else MEMORY_TERMS
     return [item for term in terms for item in term(st)]
 
@@ -273,7 +274,7 @@ def _predict_pipelined(st: Setting) -> Prediction:
     work after it."""
     run = pipeline.run_schedule(st)
     ranks = [replace(st, pp_rank=r) for r in range(st.pp)]
-    plain = [Prediction(r, _memory(r), _time(r)) for r in ranks]
+    plain = [Prediction(r, memory_items(r), _time(r)) for r in ranks]
     after = [p.step_time - run.busy[r] for r, p in enumerate(plain)]
     time_rank = max(range(st.pp), key=lambda r: run.ends[r] + after[r])
     memory_rank = max(range(st.pp), key=lambda r: plain[r].peak_bytes)

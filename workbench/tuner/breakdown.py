@@ -24,8 +24,8 @@ from dataclasses import replace
 from itertools import groupby
 
 from kernels_runtime.mesh.topology import Topology
-from workbench.planner.cost_model import MEMORY_TERMS, OFFLOAD_MEMORY_TERMS, Prediction
-from workbench.planner.setting import CATEGORIES, TIERS, MemoryItem, Setting
+from workbench.planner.cost_model import Prediction, memory_items
+from workbench.planner.setting import CATEGORIES, TIERS, MemoryItem
 
 Memory = dict[str, dict[str, float]]  # tier -> category -> bytes
 
@@ -42,12 +42,8 @@ def stage_memory(p: Prediction) -> list[Memory]:
     """Memory per pipeline stage (one entry without pp), from the planner's memory terms."""
     if p.pipeline is None:
         return [by_tier(p.memory)]
-    terms = OFFLOAD_MEMORY_TERMS if p.plan.offload != "none" else MEMORY_TERMS
-    stages: list[Memory] = []
-    for r in range(p.pipeline.stages):
-        st: Setting = replace(p.setting, pp_rank=r)
-        stages.append(by_tier([item for term in terms for item in term(st)]))
-    return stages
+    return [by_tier(memory_items(replace(p.setting, pp_rank=r)))
+            for r in range(p.pipeline.stages)]
 
 
 def rank_memory(p: Prediction) -> list[Memory]:
