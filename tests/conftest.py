@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 os.environ.setdefault("IPP_NONINTERACTIVE", "1")
-# %%colossal cells that train keep a run directory (workbench/dashboard/runs.py): in tests under
+# %%colossal cells that train keep a run directory (workbench/ui/dashboard/runs.py): in tests under
 # a temporary folder, never the checkout's runs/ (kernels and engines started by tests inherit it)
 os.environ.setdefault("WORKBENCH_RUNS_DIR", tempfile.mkdtemp(prefix="workbench-runs-"))
 

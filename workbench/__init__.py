@@ -9,10 +9,10 @@ from typing import Any
 from kernels_runtime._lazy import lazy_module as _lazy_module
 from workbench.cells.rank_fit import RankFit, fit_ranks
 from workbench.errors import PoolError, RankFailureError
-from workbench.lab.state import PoolStateFile
 from workbench.planner import recommend as recommend  # re-export: workbench.recommend(...)
 from workbench.pool.pool import Pool, RankStatus
 from workbench.pool.state import publish_pool_state_with
+from workbench.ui.lab.state import PoolStateFile
 from workbench.version import __version__ as __version__
 
 # The ui registers itself with the layer below: every Pool publishes its state to the file the
@@ -26,8 +26,9 @@ __all__ = ["Pool", "PoolError", "RankFailureError", "RankFit", "RankStatus", "Re
 
 # what notebooks use from deeper modules, imported on first use (IPython and the serving
 # stack are not needed to import the workbench), by the runtime's one lazy loader (torch-free)
-_LAZY = {"RemoteEngine": "workbench.inference", "active_pool": "workbench.magics",
-         "compare": "workbench.dashboard.compare",
+_LAZY = {"RemoteEngine": "workbench.inference.remote_engine",
+         "active_pool": "workbench.cells.session",
+         "compare": "workbench.ui.dashboard.compare",
          "free_port": "workbench.serving.server"}
 
 __getattr__, __dir__ = _lazy_module(_LAZY, globals())
@@ -39,13 +40,13 @@ def show_dashboard(run: Any = None, shell: Any = None) -> Any:
 
     Display it (last expression of a cell) for the interactive figure, or write a report with
     ``workbench.show_dashboard().to_html("reports/run.html")``. Named so as not to shadow the
-    ``workbench.dashboard`` package (``from workbench.dashboard import LiveDashboard``)."""
-    from workbench.dashboard import Dashboard, LiveDashboard
+    ``workbench.ui.dashboard`` package (``from workbench.ui.dashboard import LiveDashboard``)."""
+    from workbench.ui.dashboard import Dashboard, LiveDashboard
 
     if isinstance(run, LiveDashboard):
         run = run.history
     if run is None:
-        from workbench.magics import active_magics
+        from workbench.cells.session import active_magics
 
         magics = active_magics(shell)
         run = magics.last_run if magics is not None else None

@@ -24,13 +24,16 @@ from IPython.display import publish_display_data
 from kernels_runtime.mesh.plan import Plan, PlanError
 from workbench.cells.background import BackgroundCell
 from workbench.cells.execution import cell_label, run_cell
-from workbench.dashboard import LiveDashboard, RunHistory, preload
+from workbench.cells.session import MAGICS_NAME
+from workbench.cells.session import active_magics as active_magics  # re-exported
+from workbench.cells.session import active_pool as active_pool  # re-exported
 from workbench.errors import PoolError
 from workbench.pool import rank_calls
 from workbench.pool.pool import Pool
 from workbench.pool.ranks import tp_groups_within_hosts
 from workbench.pool.start_options import LAUNCH_OPTIONS, with_env_options
 from workbench.serving.magic import guard_cell, resume_after_restart, serve_command
+from workbench.ui.dashboard import LiveDashboard, RunHistory, preload
 
 POOL_COMMANDS = ("start", "stop", "restart", "status")
 
@@ -392,19 +395,5 @@ def format_status(pool: Pool) -> str:
     return "\n".join(lines)
 
 
-def active_magics(shell: Any = None) -> ColossalMagics | None:
-    """The ``%colossal`` magics registered in this IPython session, if any."""
-    if shell is None:
-        from IPython import get_ipython
-
-        shell = get_ipython()
-    return shell.magics_manager.registry.get("ColossalMagics") if shell else None
-
-
-def active_pool(shell: Any = None) -> Pool | None:
-    """The pool driven by ``%colossal`` in this IPython session, if any."""
-    magics = active_magics(shell)
-    return magics.pool if magics else None
-
-
 ColossalMagics.colossal.__doc__ = full_help()
+assert ColossalMagics.__name__ == MAGICS_NAME, "cells.session finds the magics by this name"

@@ -1,6 +1,6 @@
 /**
  * colossal-workbench's JupyterLab plugin: the "Colossal" left sidebar and a status-bar item,
- * both rendered from one PoolsModel that polls the server extension (workbench.lab).
+ * both rendered from one PoolsModel that polls the server extension (workbench.ui.lab).
  */
 import {
   ILabShell,

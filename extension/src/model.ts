@@ -46,7 +46,7 @@ export interface ICell {
   failed?: boolean;
 }
 
-/** A serving endpoint's figures (workbench/dashboard/endpoint.py writes them). */
+/** A serving endpoint's figures (workbench/ui/dashboard/endpoint.py writes them). */
 export interface IEndpoint {
   url: string;
   engine: string;

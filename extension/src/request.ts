@@ -1,5 +1,5 @@
 /**
- * Calls to the server extension (routes under /workbench, see workbench/lab/handlers.py).
+ * Calls to the server extension (routes under /workbench, see workbench/ui/lab/handlers.py).
  * Adapted from the extension template's request helper: every call goes through
  * ServerConnection, which adds the token and XSRF headers of this JupyterLab session.
  */

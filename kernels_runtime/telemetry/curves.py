@@ -7,7 +7,7 @@ Python float in the optimizer's ``param_groups`` and the loss scale a float in i
 
 The notebook polls through datapub, which keeps only the latest value per key, so the block
 published is a rolling window of the last ``window`` points plus per-cell counts; the notebook
-merges windows by step number (``workbench/dashboard/curves.py``), so a point is lost only if
+merges windows by step number (``workbench/ui/dashboard/curves.py``), so a point is lost only if
 more than ``window`` steps ran between two publishes (4 per second: over ~1000 steps/s).
 Step numbers count this cell's training steps from 1 (``Telemetry.new_cell`` resets them), so
 a cell's curve, its TensorBoard run and the losses the cell returned line up step for step.

@@ -2,7 +2,8 @@
 
 Why: an expert-parallel step waits for the rank of the busiest expert, and a router that sends
 most tokens to a few experts trains the others little, so the load per expert is what a user
-watches while a mixture of experts trains (the heatmap of ``workbench/dashboard/expert_load.py``).
+watches while a mixture of experts trains (the heatmap of
+``workbench/ui/dashboard/expert_load.py``).
 
 Where the counts come from: an expert-parallel MoE layer (``kernels_runtime.parallel.expert``)
 reads its per-expert row counts on the host to size its all-to-all anyway; it hands that list

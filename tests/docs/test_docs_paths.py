@@ -3,7 +3,7 @@
 What is protected: the pages under docs/, README.md and CONTRIBUTING.md name code by its path
 (``kernels_runtime/memory/chunks.py``, ``bench/planner/``, ``tests/helpers/hosts.py``), by a
 file name inside a code span (``memory/chunk_step.py``, ``ring_comms.py``), by a path and a
-name (``workbench/inference.py::RemoteEngine``) or by a dotted name
+name (``workbench/inference/remote_engine.py::RemoteEngine``) or by a dotted name
 (``kernels_runtime.calibrate.trial.run_trial``, ``workbench.show_dashboard``, and the API
 reference's ``::: workbench.planner``). When code moves or a name is renamed, the page
 that cites the old one fails here, naming the page, the line and what is missing, instead of
@@ -215,17 +215,17 @@ def test_every_path_and_dotted_name_the_docs_cite_exists():
 
 def test_an_injected_bad_citation_is_named_where_it_is():
     text = ("Fine: `kernels_runtime/memory/chunks.py`, `tests/conformance/test_lora*.py`, "
-            "`workbench/inference.py::RemoteEngine`,\n"
+            "`workbench/inference/remote_engine.py::RemoteEngine`,\n"
             "`kernels_runtime.calibrate.trial.run_trial`, `workbench.RemoteEngine`, "
             "`chunk_step.py`, `colossal-workbench.json`, tests.tools.cycles.\n"
             "Bad: `kernels_runtime/parallel/pipeline/seams.py` and "
             "`kernels_runtime.parallel.state.not_available`,\n"
-            "`workbench/inference.py::LocalEngine`, `planner/cost_modell.py`.\n")
+            "`workbench/inference/remote_engine.py::LocalEngine`, `planner/cost_modell.py`.\n")
     assert problems_in(text, "page.md") == [
         "page.md:3: no file or folder kernels_runtime/parallel/pipeline/seams.py",
         "page.md:3: kernels_runtime.parallel.state.not_available is neither a module nor a "
         "name one defines",
-        "page.md:4: workbench/inference.py defines no LocalEngine",
+        "page.md:4: workbench/inference/remote_engine.py defines no LocalEngine",
         "page.md:4: no file of the repository is planner/cost_modell.py or ends in "
         "/planner/cost_modell.py",
     ]

@@ -114,7 +114,7 @@ print(f"generated {sum(len(o.token_ids) for o in outs)} tokens for {len(outs)} r
 """
 
 # Serves the engine above; the test calls it. No API key: the test process reads none of the
-# lab's files (the key's default is tests/workbench/test_serving.py's).
+# lab's files (the key's default is tests/workbench/serving/test_serving.py's).
 SERVE_CELL = """from workbench.serving.server import free_port
 
 PORT = free_port()
@@ -343,7 +343,7 @@ def test_stage_timeline_offload_and_inference_panels_while_their_cells_run(panel
         samples = page.evaluate("window.__inference")
         # the notebook draws a new figure's plot when the browser gets to it, which on a loaded
         # machine can be after the cell (the panel's joining while the cell runs is
-        # tests/workbench/test_dashboard_inference.py's): its series must be there
+        # tests/workbench/ui/test_dashboard_inference.py's): its series must be there
         notebook = _generating(samples, while_running=False)
         assert notebook, f"no inference panel of both replicas under the cell: {_drawn(samples)}"
         samples = dash.evaluate("window.__inference")

@@ -50,7 +50,7 @@ def extension_routes(tmp_path: Path, monkeypatch) -> list[tuple[str, type]]:
     from jupyter_server.utils import JupyterServerAuthWarning
 
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
-    app = ServerApp(jpserver_extensions={"workbench.lab": True},
+    app = ServerApp(jpserver_extensions={"workbench.ui.lab": True},
                     allow_unauthenticated_access=False, reraise_server_extension_failures=True,
                     root_dir=str(tmp_path))
     with warnings.catch_warnings(record=True) as records:

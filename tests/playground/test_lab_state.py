@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from workbench.lab import state
-from workbench.lab.state import PoolStateFile, read_pool, read_pools
+from workbench.ui.lab import state
+from workbench.ui.lab.state import PoolStateFile, read_pool, read_pools
 
 
 @pytest.fixture
@@ -104,7 +104,7 @@ def _pipeline_snapshot(rank: int) -> dict:
 
 
 def test_a_pipeline_cell_carries_its_stage_timeline(runtime):
-    from workbench.dashboard.figures import build_stage_figure
+    from workbench.ui.dashboard.figures import build_stage_figure
 
     f = PoolStateFile(enabled=True, min_interval_s=0.0)
     f.update("running")
@@ -127,7 +127,7 @@ def test_a_pipeline_cell_carries_its_stage_timeline(runtime):
 
 def test_an_offloading_cell_carries_its_offload_panel(runtime):
     from kernels_runtime.telemetry import Telemetry
-    from workbench.dashboard.figures import build_offload_figure
+    from workbench.ui.dashboard.figures import build_offload_figure
 
     tels = [Telemetry(), Telemetry()]
     f = PoolStateFile(enabled=True, min_interval_s=0.0)
@@ -169,7 +169,7 @@ def _inference_snapshot(seq: int, rank: int) -> dict:
 
 
 def test_an_inference_cell_carries_its_inference_panel(runtime):
-    from workbench.dashboard.figures import build_inference_figure
+    from workbench.ui.dashboard.figures import build_inference_figure
 
     f = PoolStateFile(enabled=True, min_interval_s=0.0)
     f.update("running")
@@ -197,8 +197,8 @@ def test_an_inference_cell_carries_its_inference_panel(runtime):
 
 
 def test_a_serving_endpoint_writes_its_block_and_the_serving_ranks(runtime):
-    from workbench.dashboard import RunHistory
-    from workbench.dashboard.endpoint import EndpointHistory, EndpointSample
+    from workbench.ui.dashboard import RunHistory
+    from workbench.ui.dashboard.endpoint import EndpointHistory, EndpointSample
 
     f = PoolStateFile(enabled=True)
     f.update("running", world_size=2, ranks=[
@@ -282,7 +282,7 @@ def test_a_new_pool_replaces_the_ended_pools_of_its_process(runtime):
 
 
 def test_server_extension_does_not_import_torch():
-    code = ("import sys, workbench.lab.handlers, workbench.lab.actions; "
+    code = ("import sys, workbench.ui.lab.handlers, workbench.ui.lab.actions; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

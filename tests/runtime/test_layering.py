@@ -148,7 +148,7 @@ def test_public_names_import_from_the_package():
 
 def test_the_notebook_side_imports_no_torch():
     result = _fresh("import sys\nimport workbench, workbench.magics, workbench.planner, "
-                    "workbench.tuner, workbench.lab, workbench.models\n"
+                    "workbench.tuner, workbench.ui.lab, workbench.models\n"
                     "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
                     "assert not heavy, heavy")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -35,7 +35,7 @@ PACKAGES = ("workbench", "kernels_runtime")
 
 
 def module_name(path: Path, root: Path = REPO) -> str:
-    """``workbench/lab/state.py`` -> ``workbench.lab.state``; a package's ``__init__`` is the
+    """``workbench/ui/lab/state.py`` -> ``workbench.ui.lab.state``; a package's ``__init__`` is the
     package itself."""
     parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

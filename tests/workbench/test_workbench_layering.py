@@ -7,24 +7,23 @@ cannot hide a dependency on the layer above); ``workbench`` has no import cycle 
 a layer either (``tests/tools/cycles.py``); and the check itself catches an injected upward
 import, at the file and line that does it.
 
-The layer map, lowest first, and the packages it becomes when the flat files move:
+The layer map, lowest first, one package per layer:
 
 - ``base``: what every layer may use (errors, the version, the event loop thread, models).
 - ``planner``: the cost model and recommendation, pure functions of a plan and a model
   (``oom_hint`` in the cell layer reads it, so it sits below the pool: ``planner/``).
 - ``pool``: processes and ranks: the pool, its rank table and published state, launchers,
-  Slurm, the reaper, the calls engines run (``pool/``).
+  Slurm, the reaper, the calls rank processes run (``pool/``).
 - ``cells``: running a cell on the ranks and explaining its failures (``cells/``).
-- ``ui``: drawing what ranks publish, in the notebook (``dashboard/``) and for the JupyterLab
-  server (``lab/``); the ui registers itself with the pool (``workbench.pool.state``), the
-  pool never imports it (``ui/``).
-- ``serving``: an HTTP endpoint over ranks; its display draws with the dashboard
-  (``serving/``).
+- ``ui``: drawing what ranks publish, in the notebook (``ui/dashboard/``) and for the
+  JupyterLab server (``ui/lab/``); the ui registers itself with the pool
+  (``workbench.pool.state``), the pool never imports it.
+- ``serving``: engines on the ranks reached from the notebook (``inference/``: ``RemoteEngine``)
+  and over HTTP (``serving/``); both show their progress with the dashboard.
 - ``front``: what a notebook touches and wires the rest together: the magics and their
-  completion, the tuner widget, ``RemoteEngine``, the CLIs, and the package's face
-  (``workbench/__init__.py``). The magics are the composition root (they start the pool, run
-  cells, draw the dashboard and serve), so when ``cells/`` is created they stay above ``ui``
-  and ``serving``: ``execution`` and ``background`` move down, ``magics`` stays on top.
+  completion, the tuner widget, the CLIs, and the package's face (``workbench/__init__.py``).
+  The magics are the composition root (they start the pool, run cells, draw the dashboard and
+  serve), so they stay on top.
 """
 
 from __future__ import annotations
@@ -58,9 +57,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("planner", ("planner",)),
     ("pool", ("pool",)),
     ("cells", ("cells",)),
-    ("ui", ("dashboard", "lab")),
-    ("serving", ("serving",)),
-    ("front", ("", "magics", "magic_completion", "inference", "inference_calls", "tuner",
+    ("ui", ("ui",)),
+    ("serving", ("serving", "inference")),
+    ("front", ("", "magics", "magic_completion", "tuner",
                "export_script", "notebook_runner", "demo", "cli")),  # "": workbench itself
 ]
 LEVEL = {key: level for level, (_, keys) in enumerate(LAYERS) for key in keys}
@@ -68,7 +67,7 @@ NAME = [name for name, _ in LAYERS]
 
 
 def _key(module: str) -> str:
-    """``workbench.lab.state`` -> ``lab``; ``workbench`` -> ``""`` (the package's face)."""
+    """``workbench.ui.lab.state`` -> ``ui``; ``workbench`` -> ``""`` (the package's face)."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
 
@@ -134,17 +133,17 @@ def test_the_check_catches_an_injected_upward_import(tmp_path):
                 return active_pool
             """,
         "workbench/pool/pool.py": "from workbench.errors import PoolError\n"
-                             "from workbench.lab.state import PoolStateFile\n",
+                             "from workbench.ui.lab.state import PoolStateFile\n",
         "workbench/magics.py": "from workbench.pool.pool import Pool\n",
-        "workbench/lab/__init__.py": "",
-        "workbench/lab/state.py": "from workbench.pool.state import rank_row\n",
+        "workbench/ui/lab/__init__.py": "",
+        "workbench/ui/lab/state.py": "from workbench.pool.state import rank_row\n",
         "workbench/pool/state.py": "",
     })
     problems = upward_imports(root)
     assert problems == [
         "workbench/errors.py:6: workbench.errors (base) imports workbench.magics (front), a "
         "layer above",
-        "workbench/pool/pool.py:2: workbench.pool.pool (pool) imports workbench.lab.state (ui), "
+        "workbench/pool/pool.py:2: workbench.pool.pool (pool) imports workbench.ui.lab.state (ui), "
         "a layer above",
     ], problems
     assert cycles(import_graph(root, ["workbench"])) == [["workbench.errors",
@@ -159,15 +158,15 @@ def test_an_unmapped_module_is_named(tmp_path):
 
 
 def test_the_dashboard_package_is_not_shadowed():
-    """``workbench.dashboard`` is the package (it was a function shadowing it, so
+    """``workbench.ui.dashboard`` is the package (a function once shadowed it, so
     ``workbench.dashboard.LiveDashboard`` raised AttributeError); the function that shows the
     last run is ``workbench.show_dashboard``."""
     import sys
 
-    import workbench.dashboard
+    import workbench.ui.dashboard
 
-    assert workbench.dashboard is sys.modules["workbench.dashboard"]
-    assert workbench.dashboard.LiveDashboard.__name__ == "LiveDashboard"
+    assert workbench.ui.dashboard is sys.modules["workbench.ui.dashboard"]
+    assert workbench.ui.dashboard.LiveDashboard.__name__ == "LiveDashboard"
     assert callable(workbench.show_dashboard)
 
 
@@ -199,8 +198,8 @@ class _Recorder:
 def test_the_pool_publishes_to_the_publisher_the_layer_above_gives_it():
     """The pool never imports the lab: by default it publishes to the factory the package
     registered (the lab's state file), and to any publisher passed as ``state=``."""
-    from workbench.lab.state import PoolStateFile
     from workbench.pool.pool import Pool
+    from workbench.ui.lab.state import PoolStateFile
 
     assert isinstance(Pool(2, publish_state=False).state, PoolStateFile)
     recorder = _Recorder()

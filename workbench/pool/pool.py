@@ -15,7 +15,7 @@ The pool is lifecycle: processes started, watched and stopped. What it knows abo
 (``pool_status.py``); forming the torch.distributed world on the engines is ``world.py``.
 It publishes its state (ranks, devices, memory, busy/idle) to a ``StatePublisher``
 (``pool_state.py``); inside a Jupyter kernel that is the file the JupyterLab extension's
-server reads, registered by the ui (``workbench.lab.state``): the pool never imports the ui.
+server reads, registered by the ui (``workbench.ui.lab.state``): the pool never imports the ui.
 
 Lifecycle methods are async-first with blocking twins: ``start_async``/``start`` and so on.
 """

@@ -1,11 +1,11 @@
 """What a pool and its cells publish about themselves, and to whom: the pool layer's side of
 the JupyterLab sidebar and live page.
 
-Why here and not in ``workbench.lab.state``: the pool and the cell runner must not import the
+Why here and not in ``workbench.ui.lab.state``: the pool and the cell runner must not import the
 ui above them. What they publish is pool state (a lifecycle state, one row per rank, a cell's
 start, telemetry and end), so its shape lives in the pool layer: the ``StatePublisher``
 protocol and the rank row. How it is drawn and written (a JSON file for the Jupyter server,
-with the dashboard's plotly traces) is ui, in ``workbench.lab.state.PoolStateFile``, which
+with the dashboard's plotly traces) is ui, in ``workbench.ui.lab.state.PoolStateFile``, which
 implements the protocol.
 
 Who publishes: a ``Pool`` takes a publisher as ``Pool(state=...)``; without one it asks the

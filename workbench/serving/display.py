@@ -28,8 +28,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from workbench.dashboard.endpoint import EndpointHistory, EndpointSample
-from workbench.dashboard.history import RunHistory
+from workbench.ui.dashboard.endpoint import EndpointHistory, EndpointSample
+from workbench.ui.dashboard.history import RunHistory
 
 log = logging.getLogger("workbench.serving.display")
 
@@ -82,7 +82,7 @@ class ServingDisplay:
         """Take a first sample, display the dashboard (``show``) and start following."""
         self.tick()
         if self.show:
-            from workbench.dashboard.view import Dashboard
+            from workbench.ui.dashboard.view import Dashboard
 
             show = self._display
             if show is None:

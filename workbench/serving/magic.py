@@ -24,12 +24,12 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from workbench.dashboard.endpoint import EndpointHistory
 from workbench.errors import PoolError
 from workbench.serving.display import ServingDisplay, sample_of
 from workbench.serving.keys import new_key
 from workbench.serving.options import add_limit_options, limit_settings
 from workbench.serving.server import Server
+from workbench.ui.dashboard.endpoint import EndpointHistory
 
 
 def _parser() -> argparse.ArgumentParser:

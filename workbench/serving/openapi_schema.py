@@ -4,7 +4,7 @@ Written by hand rather than generated, because the routes read raw bodies (``ope
 checks them, so every refusal is OpenAI's error shape and names the parameter): FastAPI would
 describe them as taking anything. The document states what ``openai_api.py`` accepts (the
 limits included: at most 4 stop strings of at most 256 characters, a seed in a signed 64-bit
-range), so a property-based fuzzer (schemathesis, ``tests/workbench/test_schema_fuzz.py``)
+range), so a property-based fuzzer (schemathesis, ``tests/workbench/serving/test_schema_fuzz.py``)
 can generate requests from it and check that none is answered with a 5xx.
 """
 

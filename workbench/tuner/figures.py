@@ -22,7 +22,6 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kernels_runtime.mesh.plan import Plan
-from workbench.dashboard.offload import TIERS as TIER_COLOURS
 from workbench.planner.cost_model import Prediction, plan_label
 from workbench.planner.setting import CATEGORIES, TIERS
 from workbench.tuner.breakdown import (
@@ -35,6 +34,7 @@ from workbench.tuner.breakdown import (
 )
 from workbench.tuner.render import seconds, size
 from workbench.tuner.trials import Trial
+from workbench.ui.dashboard.offload import TIERS as TIER_COLOURS
 
 MIB = 2**20
 TIER_COLOUR = dict(TIER_COLOURS)

@@ -54,7 +54,7 @@ class Tuner:
                  memory_budget: float | None = None, plan: Plan | str | None = None,
                  steps: int = 3, warmup: int = 1, timeout_s: float = 300.0, shell: Any = None,
                  **workload: Any) -> None:
-        from workbench.magics import active_magics, active_pool
+        from workbench.cells.session import active_magics, active_pool
 
         spec = ModelSpec.from_config(model, **workload)
         # Measure builds Hugging Face models, whose default attention is the fused one: predict
@@ -120,7 +120,7 @@ class Tuner:
     @property
     def pool(self) -> Any:
         """The pool trials run on: the one given, else the notebook's running pool."""
-        from workbench.magics import active_pool
+        from workbench.cells.session import active_pool
 
         pool = self._given_pool if self._given_pool is not None else active_pool(self._shell)
         return pool if pool is not None and pool.started else None
@@ -288,7 +288,7 @@ def _magics(shell: Any) -> Any:
     """The notebook's ``ColossalMagics``, loading the extension if it is not loaded yet."""
     from IPython import get_ipython
 
-    from workbench.magics import active_magics
+    from workbench.cells.session import active_magics
 
     magics = active_magics(shell)
     if magics is None:

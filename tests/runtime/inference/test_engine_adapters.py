@@ -13,7 +13,8 @@ unknown adapter name is that request's error, naming the adapters served; a fold
 cannot serve (DoRA, not a peft folder), and a plan offloading the weights, are refused with
 what to do. Model: a small LLaMA
 (grouped-query) with a wide initialisation, which keeps random logits far from ties (as
-``test_plain_process.py``), fp32; the real SmolLM2 is in ``tests/workbench/test_lora_serving.py``.
+``test_plain_process.py``), fp32; the real SmolLM2 is in
+``tests/workbench/serving/test_lora_serving.py``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kernels_runtime.telemetry.curves import TrainingCurves
-from workbench.dashboard.curves import CurveLog, smooth
+from workbench.ui.dashboard.curves import CurveLog, smooth
 
 from helpers.distributed import context
 

@@ -203,7 +203,7 @@ def test_flops_are_six_psi_plus_attention() -> None:
 
 
 def test_telemetry_imports_without_torch() -> None:
-    code = ("import sys, kernels_runtime.telemetry as t, workbench.dashboard.history; "
+    code = ("import sys, kernels_runtime.telemetry as t, workbench.ui.dashboard.history; "
             "assert 'torch' not in sys.modules, 'torch imported'; print(t.TELEMETRY_KEY)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

@@ -1,0 +1,188 @@
+// The live dashboard page: poll the pool's JSON and redraw four plotly charts, one more when
+// the cell runs a pipeline, one more when its model offloads and one more when an inference
+// engine generates. Memory per tier and the step-time split are per rank (latest values);
+// tokens/s per rank and bytes per mesh axis (collectives, and point-to-point bytes sent,
+// dotted) are time series of the running (or last) %%colossal cell. The pipeline stage
+// timeline, the offload panel (model state per tier, bytes moved between tiers per step) and
+// the inference panel (generated tokens/s, the queue, KV blocks per replica) come as ready
+// traces (workbench/ui/dashboard/timeline.py, offload.py and inference.py build them for the
+// notebook's figures too), so this page only lays them out. While `%colossal serve` serves, the
+// pool's endpoint (its line, and its panel: requests/s, in flight, KV use; endpoint.py) stands
+// on top and the serving ranks' telemetry is the running cell. A cell that trains has the curves
+// panel on top (loss and eval loss on a log axis, LR, grad norm; curves.py), its smoothed
+// traces smoothed again here from their raw ones as the slider moves (TensorBoard's EMA).
+// A cell whose expert-parallel MoE model steps has the expert-load heatmap under the four
+// charts (tokens per expert per layer of the last step, all ranks; expert_load.py).
+(function () {
+  'use strict';
+  const cfg = window.COLOSSAL;
+  const url = cfg.baseUrl + 'workbench/pools/' + encodeURIComponent(cfg.poolId);
+  const status = document.getElementById('status');
+  const plotConfig = { displaylogo: false, responsive: true };
+  document.getElementById('pool-id').textContent = cfg.poolId;
+
+  function layout(title, ytitle, extra) {
+    return Object.assign({
+      title: { text: title, font: { size: 14 } },
+      margin: { l: 60, r: 20, t: 40, b: 40 },
+      yaxis: { title: { text: ytitle } },
+      legend: { orientation: 'h' }
+    }, extra || {});
+  }
+
+  function stateLabel(doc) {
+    if (doc.state === 'running') { return doc.endpoint ? 'serving' : 'idle'; }
+    return doc.state;
+  }
+
+  function render(doc) {
+    const cell = doc.cell;
+    const series = cell ? cell.series
+      : { t: [], tokens_per_s: {}, comm_bytes: {}, p2p_bytes: {} };
+    const ranks = doc.ranks.length ? doc.ranks.map(r => r.rank)
+      : (cell ? cell.ranks : []);
+    const names = ranks.map(r => 'rank ' + r);
+    const latest = cell ? cell.latest : {};
+    const memOf = r => {
+      const live = latest[String(r)];
+      const row = doc.ranks.find(x => x.rank === r);
+      return (live && live.memory) || (row && row.memory) || { device: 0, host: 0, disk: 0 };
+    };
+    const tiers = ['device', 'host', 'disk'].map(tier => ({
+      type: 'bar', name: tier, x: names, y: ranks.map(r => memOf(r)[tier])
+    }));
+    Plotly.react('memory', tiers, layout('memory per tier', 'bytes', { barmode: 'group' }),
+      plotConfig);
+    const parts = ['compute', 'comm', 'waiting'].map(part => ({
+      type: 'bar', name: part, x: names,
+      y: ranks.map(r => ((latest[String(r)] || {}).seconds || {})[part] || 0)
+    }));
+    Plotly.react('split', parts, layout('step time split (cumulative)', 'seconds',
+      { barmode: 'stack' }), plotConfig);
+    const tokens = Object.keys(series.tokens_per_s).map(r => ({
+      type: 'scatter', mode: 'lines+markers', name: 'rank ' + r, x: series.t,
+      y: series.tokens_per_s[r]
+    }));
+    Plotly.react('tokens', tokens, layout('tokens/s per rank', 'tokens/s',
+      { xaxis: { title: { text: 'seconds into the cell' } } }), plotConfig);
+    const comm = Object.keys(series.comm_bytes).map(axis => ({
+      type: 'scatter', mode: 'lines', name: axis, x: series.t, y: series.comm_bytes[axis]
+    }));
+    const p2p = series.p2p_bytes || {};
+    Object.keys(p2p).forEach(axis => comm.push({
+      type: 'scatter', mode: 'lines', name: axis + ' p2p (sent)', x: series.t, y: p2p[axis],
+      line: { dash: 'dot' }
+    }));
+    Plotly.react('comm', comm, layout('bytes communicated per axis', 'bytes',
+      { xaxis: { title: { text: 'seconds into the cell' } } }), plotConfig);
+    lastCurves = cell ? cell.curves : null;
+    renderCurves();
+    renderStages(cell ? cell.stages : null);
+    renderPanel('offload', cell ? cell.offload : null);
+    renderPanel('inference', cell ? cell.inference : null);
+    renderPanel('expert-load', cell ? cell.expert_load : null);
+    renderEndpoint(doc.endpoint);
+
+    let text = doc.world_size + ' ranks, ' + stateLabel(doc);
+    if (doc.error) { text += ' (' + doc.error + ')'; }
+    if (cell) {
+      text += ' | ' + (doc.endpoint ? 'endpoint ' : 'cell ') +
+        (cell.running ? 'running' : 'finished') + ': ' + cell.label +
+        ' (' + cell.elapsed.toFixed(1) + ' s, ' + series.t.length + ' points)';
+    }
+    status.textContent = text;
+    status.dataset.state = doc.state;
+    status.dataset.points = String(series.t.length);
+    status.dataset.cellRunning = cell && cell.running ? 'true' : 'false';
+  }
+
+  // TensorBoard's smoothing: an exponential moving average, debiased (curves.py's smooth).
+  function smooth(values, weight) {
+    let last = 0, n = 0;
+    return values.map(v => {
+      if (!Number.isFinite(v)) { return v; }
+      last = last * weight + (1 - weight) * v; n += 1;
+      return last / (1 - Math.pow(weight, n));
+    });
+  }
+
+  let lastCurves = null;
+  const slider = document.getElementById('smoothing');
+  slider.addEventListener('input', () => {
+    document.getElementById('smoothing-value').textContent = Number(slider.value).toFixed(2);
+    renderCurves();
+  });
+
+  // The curves panel with the slider's smoothing; hidden (with the slider) when no step trained.
+  function renderCurves() {
+    const panel = lastCurves;
+    document.getElementById('smoothing-box').hidden = !panel;
+    if (!panel) { renderPanel('curves', null); return; }
+    const weight = Number(slider.value);
+    const raw = {};
+    panel.traces.forEach(t => { raw[t.name] = t; });
+    const traces = panel.traces.map(t => (t.meta && t.meta.smooth_of && raw[t.meta.smooth_of])
+      ? Object.assign({}, t, { y: smooth(raw[t.meta.smooth_of].y, weight) }) : t);
+    const title = panel.title.replace(/smoothing [0-9.]+/, 'smoothing ' + weight.toFixed(2));
+    renderPanel('curves', Object.assign({}, panel, {
+      traces: traces, title: title,
+      layout: Object.assign({}, panel.layout, { title: { text: title, font: { size: 14 } } })
+    }));
+  }
+
+  // The pipeline stage timeline: one row per pipeline rank; hidden when no pipeline ran.
+  function renderStages(stages) {
+    const el = document.getElementById('stages');
+    el.hidden = !stages;
+    if (!stages) { return; }
+    Plotly.react('stages', stages.traces, layout(stages.title, '', {
+      barmode: 'overlay', xaxis: stages.xaxis, yaxis: stages.yaxis,
+      margin: { l: 110, r: 20, t: 40, b: 70 }, legend: { orientation: 'h', y: -0.25 }
+    }), plotConfig);
+  }
+
+  // A panel whose layout carries its plots' axes (domains): the offload panel (model state per
+  // tier per rank, moved bytes and evictions per step) and the inference panel (tokens/s and
+  // the queue over time, KV blocks per replica); hidden when the cell has no data for it.
+  function renderPanel(id, panel) {
+    const el = document.getElementById(id);
+    el.hidden = !panel;
+    if (!panel) { return; }
+    Plotly.react(id, panel.traces, Object.assign(layout(panel.title, ''), panel.layout, {
+      margin: { l: 60, r: 60, t: panel.title.includes('<br>') ? 60 : 40, b: 70 },
+      legend: { orientation: 'h', y: -0.2, traceorder: 'normal' }
+    }), plotConfig);
+  }
+
+  // The endpoint's line (address, state, requests/s, in flight, queue, KV) and its panel;
+  // hidden when nothing serves.
+  function renderEndpoint(endpoint) {
+    const line = document.getElementById('endpoint-line');
+    line.hidden = !endpoint;
+    line.textContent = endpoint ? endpoint.line : '';
+    line.dataset.status = endpoint ? endpoint.status : '';
+    renderPanel('endpoint', endpoint ? endpoint.panel : null);
+  }
+
+  async function tick() {
+    let delay = 2000;
+    try {
+      const response = await fetch(url, { credentials: 'same-origin' });
+      if (response.status === 404) {
+        status.textContent = 'this pool is gone (its kernel ended or it was replaced)';
+        status.dataset.state = 'gone';
+        delay = 5000;
+      } else if (!response.ok) {
+        status.textContent = 'server answered ' + response.status;
+      } else {
+        const doc = await response.json();
+        render(doc);
+        delay = doc.state === 'busy' || doc.endpoint ? 500 : 2000;
+      }
+    } catch (err) {
+      status.textContent = 'cannot reach the server: ' + err;
+    }
+    setTimeout(tick, delay);
+  }
+  tick();
+})();
