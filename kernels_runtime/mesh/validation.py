@@ -149,6 +149,22 @@ def _check_experts(plan: Plan) -> None:
     if plan.sp > 1:
         raise PlanError(f"ep={plan.ep} with sp={plan.sp} is not available yet: expert groups "
                         "are carved out of dp alone; use sp=1 (or ep=1)")
+    works = f"ep={plan.ep} composes with dp, zero 0-3, tp (1d), pp (any schedule) and ckpt"
+    if plan.sp_mode != "none":
+        raise PlanError(f"ep={plan.ep} with sp_mode={plan.sp_mode} is not available yet: the "
+                        "experts of a tp group expect the same tokens on every tp rank, and "
+                        f"sequence parallelism splits them; {works}: remove sp_mode (e.g. "
+                        f"'ep={plan.ep} tp={plan.tp}')")
+    if plan.tp_mode != "1d":
+        raise PlanError(f"ep={plan.ep} with tp_mode={plan.tp_mode} is not available yet: the "
+                        f"experts split over a 1D tp group only; {works}: use tp_mode=1d "
+                        f"(e.g. 'ep={plan.ep} tp={plan.tp}')")
+    if plan.offload != "none":
+        raise PlanError(f"ep={plan.ep} with offload={plan.offload} is not available yet: "
+                        "offload lays out one data-parallel state in chunks, and ep keeps two "
+                        f"(non-expert parameters over dp, experts over expert-dp); {works}: to "
+                        f"cut optimizer memory use zero instead (e.g. 'ep={plan.ep} zero=3'), "
+                        "or offload with ep=1")
 
 
 def pipeline_chunks(plan: Plan) -> int:

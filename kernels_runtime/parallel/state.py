@@ -43,6 +43,7 @@ class ParallelState:
     schedule: Any = None  # a pipeline schedule; None: micro-batches in sequence
     vocab_head: str | None = None  # path of a vocabulary-parallel LM head (tensor parallel)
     sequence: Any = None  # the SequenceShard of sp_mode ring / all_to_all (sequence parallel)
+    stage_carry: Any = None  # what pipeline stages pass besides the activation (ep's router sums)
     elsewhere: set[str] = field(default_factory=set)  # parameters other pipeline stages hold
     applied: list[str] = field(default_factory=list)  # appliers that changed the model
     replaced: list[tuple[str, str]] = field(default_factory=list)  # (module, what it became)

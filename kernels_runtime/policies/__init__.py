@@ -18,6 +18,7 @@ from kernels_runtime.policies.adapters import adapted_model, adapter_policy
 from kernels_runtime.policies.base import CONFIG_KEYS, ModelConfig, Policy
 from kernels_runtime.policies.generic import GenericPolicy
 from kernels_runtime.policies.hf import HF_POLICIES, HFPolicy
+from kernels_runtime.policies.moe import MOE_POLICY
 from kernels_runtime.policies.resolve import (
     ResolvedLayout,
     find_module,
@@ -58,7 +59,7 @@ __all__ = [
 ]
 
 _GENERIC = GenericPolicy()
-_policies: list[Policy] = list(HF_POLICIES)  # tried in order; _GENERIC always follows them
+_policies: list[Policy] = [*HF_POLICIES, MOE_POLICY]  # tried in order; _GENERIC always follows them
 
 
 def get_policy(model: nn.Module) -> Policy:

@@ -9,13 +9,22 @@ uses for Mixtral and Qwen-MoE), and whether a dense shared expert runs beside th
 ``shared_expert``, scaled by ``sigmoid(shared_expert_gate(x))``). ``MOE_BLOCKS`` answers by the
 block's class name; ``moe_spec`` falls back to the generic reading (a ``gate`` and fused
 ``experts`` module) for a family not listed, so a new Mixtral-like model needs no entry.
+
+``MOE_POLICY`` is the same families as a model policy (registered with the HF ones): LLaMA's
+attention and pipeline split points, a shared expert split as a gated MLP under tp, router and
+experts left whole for the expert applier (which splits the experts over ep and, under tp,
+each expert over tp).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
+
+from kernels_runtime.policies.hf import HFPolicy
+from kernels_runtime.policies.llama import LLAMA_LAYOUT
+from kernels_runtime.policies.specs import Rule
 
 
 @dataclass(frozen=True)
@@ -68,3 +77,32 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module, MoeSpec]]:
 def expert_count(block: nn.Module, spec: MoeSpec) -> int:
     """E, the number of experts of a block (the first dimension of its fused weights)."""
     return int(getattr(block, spec.experts).gate_up_proj.shape[0])
+
+
+# ---- the families as a model policy: tensor parallelism and pipeline stages ----------------
+# LLaMA's attention and outer layout; in each block either a sparse-MoE block (router and
+# experts replicated by the tensor applier: under ep the expert applier then splits the
+# experts over ep and, inside each expert, over tp; a shared expert split as a gated MLP) or,
+# in Qwen2-MoE's ``mlp_only_layers``, a dense gated MLP.
+_ATTENTION_RULES = tuple(r for r in LLAMA_LAYOUT.block_rules if not r.paths[0].startswith("mlp."))
+MOE_LAYOUT = replace(LLAMA_LAYOUT, block_rules=(
+    *_ATTENTION_RULES,
+    Rule(("mlp.gate_proj",), "column", optional=True),  # a dense block
+    Rule(("mlp.up_proj",), "column", optional=True),
+    Rule(("mlp.down_proj",), "row", optional=True),
+    Rule(("mlp.gate",), "replicated", optional=True),  # the router (t, h) -> (t, E)
+    Rule(("mlp.experts",), "replicated", optional=True),  # split by the expert applier
+    Rule(("mlp.shared_expert.gate_proj",), "column", optional=True),
+    Rule(("mlp.shared_expert.up_proj",), "column", optional=True),
+    Rule(("mlp.shared_expert.down_proj",), "row", optional=True),
+    Rule(("mlp.shared_expert_gate",), "replicated", optional=True),
+), extra={"experts": "split over ep by the expert applier, and over tp inside each expert "
+                     "when ep > 1; replicated over tp when ep = 1"})
+
+MOE_POLICY = HFPolicy(
+    name="moe",
+    summary="HF Mixtral, Qwen2-MoE, Qwen3-MoE (*Model, *ForCausalLM); blocks at model.layers",
+    model_types=("mixtral", "qwen2_moe", "qwen3_moe"),
+    block_paths=("layers",),
+    layout=MOE_LAYOUT,
+)

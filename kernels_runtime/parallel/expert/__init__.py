@@ -17,12 +17,14 @@ The plan's ``ep`` carves groups of ep adjacent data-parallel ranks out of dp (``
 - ``layouts.py``: each expert slice's box of its global tensor, through which checkpoints save
   it and reshard it under another ep or into one plain process.
 - ``aux_loss.py``: the router's load-balancing loss over the whole data-parallel batch, equal
-  to HF's on one process.
+  to HF's on one process; ``router_stats.py``: the same loss under pp, its sums carried from
+  stage to stage behind the activation (``stage_aux_loss`` on the last stage).
 """
 
 from kernels_runtime.parallel.expert.aux_loss import load_balancing_loss
 from kernels_runtime.parallel.expert.dispatch import Routing, moe_forward, route
 from kernels_runtime.parallel.expert.moe_layer import ExpertParallelMoE, is_expert_parameter
+from kernels_runtime.parallel.expert.router_stats import stage_aux_loss
 
 __all__ = ["ExpertParallelMoE", "Routing", "is_expert_parameter", "load_balancing_loss",
-           "moe_forward", "route"]
+           "moe_forward", "route", "stage_aux_loss"]

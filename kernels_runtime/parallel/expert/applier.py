@@ -9,8 +9,12 @@ the slices, and its box of the global tensor in ``state.layouts`` (``layouts.py`
 save and reshard it; the data applier (``data_step.py``) then reduces the two kinds of parameter
 over their own groups.
 
-Not yet composed (each refused with the plan to use instead): tp or pp beside ep, offload,
-and models whose weights a loader fills after parallelize.
+Under tp (1D) each local expert is split over the tp group as well (``LocalExperts``: the
+attention and any shared expert are the tensor applier's, the router stays replicated). Under
+pp the blocks share one ``StageCarry`` (``router_stats.py``, in ``state.stage_carry``), whose
+router sums the pipeline passes from stage to stage for the auxiliary loss.
+Not yet composed (each refused with what to use instead): sp, sp_mode, a 2D / 2.5D tp grid
+and offload (``Plan.validate``), and models whose weights a loader fills after parallelize.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from torch import nn
 from kernels_runtime.deferred_params import to_be_loaded
 from kernels_runtime.parallel.expert.layouts import expert_layouts
 from kernels_runtime.parallel.expert.moe_layer import ExpertParallelMoE
+from kernels_runtime.parallel.expert.router_stats import StageCarry
 from kernels_runtime.parallel.state import ParallelState
-from kernels_runtime.policies.moe import expert_count, moe_blocks
+from kernels_runtime.policies.moe import MoeSpec, expert_count, moe_blocks
 
 
 def check(state: ParallelState, model: nn.Module) -> str | None:
@@ -29,13 +34,6 @@ def check(state: ParallelState, model: nn.Module) -> str | None:
     plan = state.ctx.plan
     if plan.ep == 1:
         return None
-    later = [what for what, on in (
-        (f"tp={plan.tp}", plan.tp > 1), (f"pp={plan.pp}", plan.pp > 1),
-        (f"offload={plan.offload}", plan.offload != "none"),
-    ) if on]
-    if later:
-        return (f"ep={plan.ep} with {', '.join(later)} is not available yet; expert "
-                "parallelism composes with dp and zero 0-3 today (e.g. 'ep=2 zero=1')")
     if to_be_loaded(model):
         return (f"ep={plan.ep} on a model whose weights are loaded after parallelize is not "
                 "available yet; load the weights first, then parallelize")
@@ -50,6 +48,12 @@ def check(state: ParallelState, model: nn.Module) -> str | None:
             fits = [e for e in range(1, experts + 1) if experts % e == 0]
             return (f"ep={plan.ep} does not divide the {experts} experts of {path}: each rank "
                     f"of an ep group holds experts/ep of them; choose ep in {fits}")
+        inter = int(getattr(block, spec.experts).down_proj.shape[-1])
+        if inter % plan.tp:
+            fits = [t for t in range(1, inter + 1) if inter % t == 0]
+            return (f"tp={plan.tp} does not divide the intermediate size {inter} of the experts "
+                    f"of {path}: under ep each expert is split over tp (gate/up by output, down "
+                    f"by input); choose tp in {fits}")
     return None
 
 
@@ -58,9 +62,19 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     ctx = state.ctx
     if ctx.plan.ep == 1:
         return model
-    for path, block, spec in moe_blocks(model):
+    blocks = moe_blocks(model)
+    carry = None
+    if ctx.plan.pp > 1:  # the auxiliary loss's sums travel with the activation
+        path, block, spec = blocks[0]
+        carry = StageCarry(expert_count(block, spec), _top_k(block, spec), ctx.comm,
+                           ctx.dp_group)
+        model.register_forward_pre_hook(carry.begin, with_kwargs=True)
+        state.stage_carry = carry
+    for path, block, spec in blocks:
         experts = getattr(block, spec.experts)
-        swapped = ExpertParallelMoE(block, ctx.comm, ctx.group("ep"), spec, name=path)
+        swapped = ExpertParallelMoE(block, ctx.comm, ctx.group("ep"), spec, name=path,
+                                    tp_group=ctx.group("tp") if ctx.plan.tp > 1 else None,
+                                    carry=carry)
         for name in ("gate_up_proj", "down_proj"):
             state.replaced_params[id(getattr(experts, name))] = getattr(swapped.experts, name)
         model.set_submodule(path, swapped)
@@ -70,3 +84,8 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     state.layouts.update(expert_layouts(model, ctx))
     state.applied.append("expert")
     return model
+
+
+def _top_k(block: nn.Module, spec: MoeSpec) -> int:
+    """The experts each token picks (the block's or its router's ``top_k``)."""
+    return int(getattr(block, "top_k", getattr(getattr(block, spec.router), "top_k", 1)))

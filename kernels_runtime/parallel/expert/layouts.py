@@ -3,9 +3,12 @@
 A rank of an ep group holds experts [first, first + E/ep) of each block's fused tensors
 (``gate_up_proj`` (E, 2I, h), ``down_proj`` (E, h, I)) under the HF names, so its local tensor
 is one box of the global one along the expert dim, like a row-parallel weight is a box of its
-weight under tensor parallelism. Recording that box as the parameter's ``ParamLayout`` is all a
-checkpoint needs: savers write global boxes, the reader reshards them into whatever boxes
-another ep (or one plain process) asks for, as it does for tp shards.
+weight under tensor parallelism. With tp inside the experts (``LocalExperts``) it is also this
+tp rank's features: two boxes of ``gate_up_proj`` (its gate rows and its up rows, side by
+side locally, I apart globally), one of ``down_proj``, sharded along "tp" as well. Recording
+those boxes as the parameter's ``ParamLayout`` is all a checkpoint needs: savers write global
+boxes, the reader reshards them into whatever boxes another ep (or one plain process) asks
+for, as it does for tp shards.
 
 On the plan's mesh the ep ranks are dp ranks, so the layout is sharded along "dp", and the
 dp/ep ranks of an expert-data group holding the same box are its replicas
@@ -30,8 +33,6 @@ from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.shards import ParamLayout
 from kernels_runtime.parallel.expert.moe_layer import LocalExperts
 
-FUSED = ("gate_up_proj", "down_proj")
-
 
 def expert_layouts(model: nn.Module, ctx: ParallelContext) -> dict[str, ParamLayout]:
     """The layout of every local expert tensor of ``model`` on the plan's mesh, by name."""
@@ -39,15 +40,28 @@ def expert_layouts(model: nn.Module, ctx: ParallelContext) -> dict[str, ParamLay
     replica = (dist.get_group_rank(edp, dist.get_rank()), dist.get_world_size(edp))
     out = {}
     for path, module in model.named_modules():
-        if not isinstance(module, LocalExperts):
-            continue
-        for name in FUSED:
-            local = tuple(getattr(module, name).shape)  # (E/ep, ...)
-            full = (module.num_experts, *local[1:])  # (E, ...)
-            offsets = (module.first,) + (0,) * (len(local) - 1)
-            out[f"{path}.{name}"] = replace(
-                ParamLayout.box(full, offsets, local, frozenset({"dp"})), replica=replica)
+        if isinstance(module, LocalExperts):
+            for name, layout in _slice_layouts(module).items():
+                out[f"{path}.{name}"] = replace(layout, replica=replica)
     return out
+
+
+def _slice_layouts(experts: LocalExperts) -> dict[str, ParamLayout]:
+    """Where a rank's slices lie: experts [first, first + E/ep) along dim 0 and this tp
+    rank's I/tp features (all of them without tp)."""
+    e, sharded = experts.gate_up_proj.shape[0], frozenset({"dp"})
+    h, inter, part = experts.down_proj.shape[1], experts.inter, experts.inter // experts.tp
+    at = experts.tp_rank * part
+    if experts.tp > 1:
+        sharded |= {"tp"}
+    gate_up = ParamLayout(
+        (experts.num_experts, 2 * inter, h),
+        (((0, 0, 0), (experts.first, at, 0), (e, part, h)),  # gate rows
+         ((0, part, 0), (experts.first, inter + at, 0), (e, part, h))),  # up rows
+        sharded)
+    down = ParamLayout.box((experts.num_experts, h, inter), (experts.first, 0, at),
+                           (e, h, part), sharded)
+    return {"gate_up_proj": gate_up, "down_proj": down}
 
 
 def on_expert_data(layouts: dict[str, ParamLayout], names: set[str]) -> dict[str, ParamLayout]:

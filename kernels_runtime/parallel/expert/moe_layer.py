@@ -29,9 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from kernels_runtime.comm.autograd import copy_to_group, reduce_from_group
 from kernels_runtime.comm.collectives import Collectives
 from kernels_runtime.comm.groups import Group
 from kernels_runtime.parallel.expert.dispatch import Routing, moe_forward
+from kernels_runtime.parallel.expert.router_stats import StageCarry
 from kernels_runtime.policies.moe import MoeSpec, moe_spec
 
 EXPERT_ATTR = "_expert_parallel"  # set on expert parameters: their gradients skip the ep sum
@@ -53,11 +55,20 @@ class _ScaleGrad(torch.autograd.Function):
 class LocalExperts(nn.Module):
     """This rank's experts [first, first + E/ep) of a Mixtral experts module, as its slices.
 
+    Under tensor parallelism (``tp_group`` of more than one rank) each expert is split as
+    Megatron splits an MLP: the gate and up projections by output (column-parallel: this tp
+    rank's I/tp rows of each, side by side as HF fuses them), the down projection by input
+    (row-parallel). The rows an expert receives are the same on every tp rank (each tp rank
+    dispatches the same tokens within its own ep group), so they enter with Megatron's f
+    (identity; gradients summed over tp) and the partial outputs leave with g (summed over
+    tp), once per layer for all local experts together.
+
     ``grad_scale`` multiplies the weights' gradients (1 alone; the data step sets 1/ep, see
     ``grad_sync.py``). It is applied to the weights as used in forward, so it holds whatever
     holds the parameters: flat buckets (zero 0-2) or gathered FSDP2 shards (zero 3)."""
 
-    def __init__(self, experts: nn.Module, rank: int, ep: int) -> None:
+    def __init__(self, experts: nn.Module, rank: int, ep: int, comm: Collectives | None = None,
+                 tp_group: Group | None = None) -> None:
         super().__init__()
         total = experts.gate_up_proj.shape[0]
         if total % ep:
@@ -66,10 +77,22 @@ class LocalExperts(nn.Module):
                              f"ranks; choose ep in {divisors}")
         local = total // ep
         self.num_experts, self.first = total, rank * local
+        self.comm, self.tp_group = comm, tp_group
+        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        inter = experts.down_proj.shape[-1]  # I
+        if inter % tp:
+            raise ValueError(f"tp={tp} does not divide the experts' intermediate size {inter}: "
+                             f"each tp rank holds I/tp of every expert's features; choose tp "
+                             f"in {[n for n in range(1, inter + 1) if inter % n == 0]}")
+        self.inter, self.tp, self.tp_rank = inter, tp, tp_rank
         keep = slice(self.first, self.first + local)
-        # (E/ep, 2I, h) and (E/ep, h, I): copies, so the full tensors can be freed
-        self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[keep].clone())
-        self.down_proj = nn.Parameter(experts.down_proj.detach()[keep].clone())
+        cols = slice(tp_rank * inter // tp, (tp_rank + 1) * inter // tp)
+        gate_up = experts.gate_up_proj.detach()[keep]  # (E/ep, 2I, h)
+        gate_up = torch.cat([gate_up[:, :inter][:, cols], gate_up[:, inter:][:, cols]], dim=1)
+        # (E/ep, 2I/tp, h) and (E/ep, h, I/tp): copies, so the full tensors can be freed
+        self.gate_up_proj = nn.Parameter(gate_up.clone())
+        self.down_proj = nn.Parameter(experts.down_proj.detach()[keep][..., cols].clone())
         for param in (self.gate_up_proj, self.down_proj):
             setattr(param, EXPERT_ATTR, True)
         self.act_fn = experts.act_fn
@@ -78,15 +101,20 @@ class LocalExperts(nn.Module):
     def forward(self, chunks: list[Tensor]) -> list[Tensor]:
         """Each local expert on its rows, Mixtral's SwiGLU MLP: [(m_e, h)] -> [(m_e, h)]. Every
         expert runs, on zero rows if none came, so its weights are in the graph every step."""
-        gate_up_proj, down_proj = self.gate_up_proj, self.down_proj  # (E/ep, 2I, h), (E/ep, h, I)
+        gate_up_proj, down_proj = self.gate_up_proj, self.down_proj  # (E/ep, 2I/tp, h), (.., I/tp)
         if self.grad_scale != 1.0:
             gate_up_proj = _ScaleGrad.apply(gate_up_proj, self.grad_scale)
             down_proj = _ScaleGrad.apply(down_proj, self.grad_scale)
+        sizes = [rows.shape[0] for rows in chunks]
+        if self.tp > 1:  # f: one all-reduce of the rows' gradients in backward
+            chunks = list(copy_to_group(torch.cat(chunks), self.comm, self.tp_group).split(sizes))
         out = []
         for index, rows in enumerate(chunks):
-            gate_up = nn.functional.linear(rows, gate_up_proj[index])  # (m, 2I)
-            gate, up = gate_up.chunk(2, dim=-1)  # (m, I) each
-            out.append(nn.functional.linear(self.act_fn(gate) * up, down_proj[index]))
+            gate_up = nn.functional.linear(rows, gate_up_proj[index])  # (m, 2I/tp)
+            gate, up = gate_up.chunk(2, dim=-1)  # (m, I/tp) each
+            out.append(nn.functional.linear(self.act_fn(gate) * up, down_proj[index]))  # (m, h)
+        if self.tp > 1:  # g: this rank's partial sums, added over tp
+            out = list(reduce_from_group(torch.cat(out), self.comm, self.tp_group).split(sizes))
         return out
 
 
@@ -108,19 +136,23 @@ def _in_backward() -> bool:
 
 class ExpertParallelMoE(nn.Module):
     """``block``'s router (and shared expert), replicated, and this rank's share of its experts
-    over ``group``. ``name`` labels its row of the expert load (the applier passes the block's
-    module path)."""
+    over ``group``, each expert split over ``tp_group`` when given (``LocalExperts``; the shared
+    expert is then the tensor applier's column/row-parallel MLP). Under pp, ``carry`` collects
+    its router's sums for the stage-spanning auxiliary loss. ``name`` labels its row of the
+    expert load (the applier passes the block's module path)."""
 
     def __init__(self, block: nn.Module, comm: Collectives, group: Group,
-                 spec: MoeSpec | None = None, name: str = "moe") -> None:
+                 spec: MoeSpec | None = None, name: str = "moe",
+                 tp_group: Group | None = None, carry: StageCarry | None = None) -> None:
         super().__init__()
         spec = spec if spec is not None else _spec_of(block)
         self.comm, self.group, self.name = comm, group, name
+        self.carry = carry  # under pp: the router sums stages pass on (``router_stats.py``)
         self.jitter_noise = getattr(block, "jitter_noise", 0.0)
         self.gate = getattr(block, spec.router)
         self.top_k = getattr(block, "top_k", getattr(self.gate, "top_k", None))
         self.experts = LocalExperts(getattr(block, spec.experts), dist.get_rank(group),
-                                    dist.get_world_size(group))
+                                    dist.get_world_size(group), comm, tp_group)
         self.shared_expert = getattr(block, spec.shared_expert) if spec.shared_expert else None
         self.shared_expert_gate = getattr(block, spec.shared_gate) if spec.shared_gate else None
 
@@ -131,7 +163,9 @@ class ExpertParallelMoE(nn.Module):
                 1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         flat = hidden_states.reshape(-1, hidden)  # (t, h)
         # through the module so HF records the logits; its own top-k and normalization
-        _, weights, experts = self.gate(flat)  # (t, k), (t, k)
+        logits, weights, experts = self.gate(flat)  # (t, E), (t, k), (t, k)
+        if self.carry is not None and not _in_backward():  # once, not in a checkpoint's replay
+            self.carry.add_layer(logits)
         out = moe_forward(flat, Routing(experts=experts, weights=weights),
                           self.experts.num_experts, self.experts, self.comm, self.group,
                           self._record_load)  # (t, h)

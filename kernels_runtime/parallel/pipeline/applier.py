@@ -110,7 +110,8 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     params_before = {id(p): p for p in model.parameters()}
     names_before = {n for n, _ in model.named_parameters()}
     container = model.get_submodule(container_path) if container_path else model
-    stage_blocks = StageBlocks(container, [list(ranges[v]) for v in mine], _shared_seeds(ctx))
+    stage_blocks = StageBlocks(container, [list(ranges[v]) for v in mine], _shared_seeds(ctx),
+                               carry=state.stage_carry)
     if not first:
         keep = {pid: params_before[pid] for pid in tied} if last else {}
         stub_before(model, before, keep, compute_dtype(plan.precision))

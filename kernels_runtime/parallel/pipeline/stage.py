@@ -79,8 +79,10 @@ class StageBlocks:
     forward to one chunk."""
 
     def __init__(self, container: nn.Module, chunks: list[list[int]],
-                 seeds: BlockSeeds | None = None) -> None:
-        self.container, self.seeds = container, seeds
+                 seeds: BlockSeeds | None = None, carry: Any = None) -> None:
+        # carry: packs what else a stage passes on behind its activation and unpacks it on
+        # the next (``pack(hidden)``, ``unpack(incoming, placeholder)``; ep's router sums)
+        self.container, self.seeds, self.carry = container, seeds, carry
         every = container._modules
         keys = list(every)
         self.chunks: list[OrderedDict[str, nn.Module]] = [
@@ -123,6 +125,9 @@ class StageBlocks:
         if module is not self._entry or self._incoming is None:
             return None
         incoming, self._incoming = self._incoming, None
+        if self.carry is not None:
+            incoming = self.carry.unpack(incoming, args[0] if args else
+                                         kwargs.get("hidden_states", incoming))
         if args:
             return (incoming, *args[1:]), kwargs
         if "hidden_states" in kwargs:
@@ -135,7 +140,7 @@ class StageBlocks:
             if not isinstance(hidden, torch.Tensor):
                 raise TypeError(f"a pipeline stage ends at a block that returned "
                                 f"{type(hidden).__name__}; stages pass one tensor between them")
-            raise StageExit(hidden)
+            raise StageExit(self.carry.pack(hidden) if self.carry is not None else hidden)
 
 
 def _seed(seeds: BlockSeeds, index: int, module: nn.Module, args: tuple) -> None:
