@@ -8,6 +8,8 @@ requests that reached the end of their tokens and retires the finished ones. LoR
 (``adapters={name: folder}``) ride on the base weights, so requests naming different adapters,
 or none, share every step (``adapters.py``). Requests with ``speculate`` on verify
 drafted tokens copied from their own context in the same forward (``speculation.py``).
+Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) have their experts split over ep
+and tp ranks (``moe_plans.py``, ``moe.py``); the ep ranks of a group form one replica.
 
 Ranks of one replica (the tp x pp ranks sharing a dp coordinate) make the same calls with the
 same arguments and keep identical schedulers; only activations and the sampled tokens pass
@@ -36,6 +38,14 @@ from kernels_runtime.inference.batch import StepBatch, build_batch
 from kernels_runtime.inference.blocks import BlockPool
 from kernels_runtime.inference.kv_cache import PagedKVCache, blocks_for, bytes_per_block
 from kernels_runtime.inference.model_reading import attention_modules, eos_token_ids
+from kernels_runtime.inference.moe_plans import (
+    dense_context,
+    moe_policy,
+    moe_problem,
+    parallelized_problem,
+    replicas,
+    split_experts,
+)
 from kernels_runtime.inference.params import RequestOutput, SamplingParams
 from kernels_runtime.inference.plans import inference_plan, inference_problem
 from kernels_runtime.inference.requests import (
@@ -79,20 +89,23 @@ class Engine:
 
         if block_size < 1 or max_num_seqs < 1 or max_batch_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_batch_tokens must be >= 1")
-        state = parallel_state(model)
+        state, ep = parallel_state(model), 1
         if state is None:
             if ctx is None:
                 ctx = ParallelContext.build(inference_plan(plan), comm)
-            problem = inference_problem(ctx.plan)
+            problem = inference_problem(ctx.plan) or moe_problem(model, ctx.plan)
             if problem:
                 raise PlanError(problem)
-            model = parallelize_model(model, ctx=ctx, spill_dir=spill_dir, verbose=verbose)
-            state = parallel_state(model)
+            model = parallelize_model(model, ctx=dense_context(ctx), policy=moe_policy(model),
+                                      spill_dir=spill_dir, verbose=verbose)
+            state, ep = parallel_state(model), ctx.plan.ep
+            split_experts(model, state, ctx, verbose)  # mixture-of-experts: moe_plans.py
         assert state is not None
-        problem = inference_problem(state.ctx.plan)
+        problem = inference_problem(state.ctx.plan) or parallelized_problem(state.ctx.plan)
         if problem:
             raise PlanError(problem)
         self.model, self.state, self.ctx = model.eval(), state, state.ctx
+        self.replicas = replicas(self.ctx, ep)  # under ep, an ep group is one replica
         self.tokenizer, self.block_size = tokenizer, block_size
         self.adapters = AdapterSet(model, state, adapters)  # LoRA adapters by name
         attention, hidden = attention_modules(model, state, max_model_len)
@@ -309,10 +322,10 @@ class Engine:
             if on_step is not None and changed:
                 on_step(changed)
         mine.sort(key=_index)
-        if self.ctx.dp_size == 1:
+        if self.replicas.count == 1:
             return mine
-        gathered: list[list[RequestOutput]] = [[] for _ in range(self.ctx.dp_size)]
-        dist.all_gather_object(gathered, mine, group=self.ctx.dp_group)
+        gathered: list[list[RequestOutput]] = [[] for _ in range(self.replicas.count)]
+        dist.all_gather_object(gathered, mine, group=self.replicas.group)
         return sorted((o for part in gathered for o in part), key=_index)
 
     def stream(self, prompts: Seq[Any] | str, params: SamplingParams | Seq[SamplingParams]
@@ -340,7 +353,7 @@ class Engine:
                 raise ValueError(f"{len(given)} {what} for {len(prompts)} prompts; give one "
                                  "for all or one per prompt")
         call = next(self._ids)
-        dp, me = self.ctx.dp_size, self.ctx.dp_rank
+        dp, me = self.replicas.count, self.replicas.index
         pending = {self.add_request(p, s, request_id=f"gen{call}-{i}", adapter=a)
                    for i, (p, s, a) in enumerate(zip(prompts, params, adapters)) if i % dp == me}
         self.ctx.telemetry.pause()
@@ -356,8 +369,8 @@ class Engine:
         ``leader`` (its first tp and pp rank) let a reader count each replica once."""
         pool, s = self.pool, self.scheduler
         held = sum(q.computed for q in s.running)
-        leader = self.ctx.coord("tp") == 0 and self.ctx.coord("pp") == 0
-        return {"replica": self.ctx.dp_rank, "leader": leader,
+        leader = self.ctx.coord("tp") == 0 and self.ctx.coord("pp") == 0 and self.replicas.first
+        return {"replica": self.replicas.index, "leader": leader,
                 "running": len(s.running), "waiting": len(s.waiting),
                 "swapped": len(s.swapped), "blocks_total": pool.num_blocks,
                 "blocks_used": pool.num_used, "blocks_free": pool.num_free,
