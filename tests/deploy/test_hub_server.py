@@ -12,6 +12,9 @@ What is protected:
 - user A's token opens nothing of B's: B's server, kernels and pool routes answer 403; B's pool
   controller listens on 127.0.0.1 only and ignores a client without B's key; B's serving
   endpoint (``%colossal serve``) listens on 127.0.0.1 only and answers 401 without B's API key;
+- in Chromium, a user logs in through the hub's login page, starts a profile from the spawn
+  form, lands in the lab on the quickstart and sees the Colossal sidebar listing their server's
+  pools (screenshots in artifacts/browser/hub-*.png);
 - stopping a server (A, by API) and culling an idle one (B, by the culler) leave no process of
   that server behind, ranks included, and return the device.
 """
@@ -28,7 +31,7 @@ import nbformat
 import psutil
 import pytest
 import requests
-from hub_session import ROOT, Hub, Kernel, User
+from hub_session import PASSWORD, ROOT, Hub, Kernel, User
 
 pytestmark = pytest.mark.hub
 
@@ -67,7 +70,7 @@ def hub(tmp_path_factory) -> Hub:
     yield hub
     hub.stop()
     assert not wait_gone(server_processes(hub, "alice") + server_processes(hub, "bob")
-                         + server_processes(hub, "carol"), 30)
+                         + server_processes(hub, "carol") + server_processes(hub, "dave"), 30)
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +288,61 @@ def test_stopping_a_server_leaves_no_process_and_frees_its_device(hub, users):
     carol.wait_ready()
     carol.request("DELETE", "/hub/api/users/carol/server")
     carol.wait_stopped()
+
+
+def test_a_user_logs_in_through_the_browser_and_sees_the_colossal_sidebar(hub, users):
+    """The playground as a person meets it: Chromium opens the hub's login page, logs in as
+    dave, starts the default profile from the spawn form, lands in the lab on the quickstart,
+    and opens the Colossal sidebar, whose pool list comes from dave's server through the proxy.
+    Runs while bob's server sits idle for the culler test below."""
+    from helpers.browser import ARTIFACTS, CHROMIUM, LAUNCH_ARGS, MS, require_browser
+
+    require_browser()
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    # no "Jupyter news" prompt over the screenshot: dave's own lab setting, in his home
+    news = (hub.workdir / "homes" / "dave" / ".jupyter" / "lab" / "user-settings" / "@jupyterlab"
+            / "apputils-extension" / "notification.jupyterlab-settings")
+    news.parent.mkdir(parents=True, exist_ok=True)
+    news.write_text(json.dumps({"fetchNews": "false"}))
+    console: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=LAUNCH_ARGS)
+        page = browser.new_context(viewport={"width": 1500, "height": 950}).new_page()
+        page.set_default_timeout(90 * MS)  # a server's first start on a loaded 2-core machine
+        page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+        try:
+            page.goto(f"{hub.url}/hub/login")
+            page.fill("#username_input", "dave")
+            page.fill("#password_input", PASSWORD)
+            page.click("#login_submit")
+            form = page.locator("#spawn_form")  # the profiles, CPU checked (no GPU needed)
+            form.wait_for()
+            assert form.locator("input[name=profile][value=cpu]").is_checked()
+            assert "1 GPU" in form.inner_text() and "8 GPUs" in form.inner_text()
+            page.screenshot(path=str(ARTIFACTS / "hub-1-spawn-form.png"))
+            form.locator("button[type=submit]").click()
+            page.wait_for_url("**/user/dave/lab/tree/notebooks/00_quickstart.ipynb",
+                              timeout=180 * MS)
+            page.wait_for_selector(".jp-NotebookPanel .jp-Cell")
+            page.click(".jp-SideBar.jp-mod-left "
+                       ".lm-TabBar-tab[data-id='colossal-workbench-sidebar']")
+            sidebar = page.locator("#colossal-workbench-sidebar")
+            sidebar.locator(".jp-Colossal-active", has_text="00_quickstart.ipynb").wait_for()
+            sidebar.locator(".jp-Colossal-empty").wait_for()  # dave's pool list: none yet
+            assert sidebar.locator(".jp-Colossal-error").count() == 0, sidebar.inner_text()
+            page.screenshot(path=str(ARTIFACTS / "hub-2-lab-with-sidebar.png"))
+        except BaseException as err:
+            page.screenshot(path=str(ARTIFACTS / "hub-failure.png"))
+            raise AssertionError(f"{err}\n--- browser console ---\n" + "\n".join(console[-30:])
+                                 + f"\n--- hub log ---\n{hub.tail(30)}") from err
+        finally:
+            browser.close()
+    dave = hub.login("dave")
+    assert dave.model()["servers"][""]["user_options"] == {"profile": "cpu"}
+    assert dave.request("DELETE", "/hub/api/users/dave/server").status_code in (202, 204)
+    dave.wait_stopped()
 
 
 def test_the_culler_stops_an_idle_server_and_its_pool(hub, users):

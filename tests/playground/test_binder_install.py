@@ -17,8 +17,9 @@ Substitutions, because this machine reaches PyPI but not PyTorch's CPU index:
   without them, but what is installed is the same. pip does not byte-compile what it installs
   (``PIP_NO_COMPILE``): Python compiles on first import instead; it saves a minute of CI.
 
-Not covered: the Docker image build and repo2docker themselves (no Docker engine runs here);
-the Dockerfile only wraps the tested script with the base image, file ownership and a start hook.
+Not covered here: repo2docker itself (no Docker engine runs here). The image the Dockerfile
+makes is built by podman and runs the quickstart in its test stage in ``make test-image``
+(``tests/deploy/test_image_build.py``).
 """
 
 from __future__ import annotations
