@@ -10,18 +10,22 @@ whole model state offloaded to disk, the offload panel ("model state per tier") 
 ranks with a non-zero disk tier, under the cell and on the dashboard page. Inference: while
 the next cell's engine (two dp replicas of a tiny GPT-2) generates for 16 requests, the
 dashboard page's inference panel shows both replicas' KV blocks in use, generated tokens/s and
-requests waiting in the queue, and the panel under the cell draws the same series. No cell
-ends in an error. Serving: the last cell serves that engine (``%colossal serve``); while
-clients call it (threads in the test, over HTTP), the sidebar shows the endpoint under its pool
-with the address the cell printed, requests/s, requests in flight and KV blocks in use, and
-after the clients stop exactly the requests they made; the dashboard page shows the endpoint's
+requests waiting in the queue, and the panel under the cell draws the same series. Mixture of
+experts: while the next cell trains a tiny Mixtral under ``ep=2`` (a fresh batch each step), the
+expert-load heatmap (tokens per expert per MoE layer, summed over ranks) is drawn on the
+dashboard page and its counts change from step to step there while the cell runs, and the
+heatmap under the cell moves too. No cell ends in an error. Serving: the last cell serves
+that engine (``%colossal serve``); while clients call it (threads in the test, over HTTP), the
+sidebar shows the endpoint under its pool with the address the cell printed, requests/s,
+requests in flight and KV blocks in use, and after the clients stop exactly the requests they
+made; the dashboard page shows the endpoint's
 line and panel and the serving ranks' inference panel; and the endpoint's figure under the
 serve cell keeps moving while no cell runs (widget updates sent from the kernel's display
 thread reach the browser after their cell ended). The sidebar's Stop then drains the endpoint
 and stops the pool, and the endpoint leaves the sidebar and the page.
 The pipeline cell's training curves (loss per step) gain points while it runs, under the cell
 and on the dashboard page, and end holding every step.
-Screenshots go to ``artifacts/browser/`` (7 to 16; the notebook's once the cells are done).
+Screenshots go to ``artifacts/browser/`` (7 to 18; the notebook's once the cells are done).
 
 One JupyterLab, one notebook and one pool for both tests, as the budget of ``make test`` wants
 (the ``panels`` fixture runs the notebook; each test keeps within its own time); each verdict
@@ -113,6 +117,30 @@ print(f"generated {sum(len(o.token_ids) for o in outs)} tokens for {len(outs)} r
       errors or "")
 """
 
+# A few seconds of expert-parallel training: a tiny Mixtral (4 experts, top-2, 2 MoE layers), each
+# rank a fresh batch every step, so the tokens per expert change from step to step.
+EXPERT_CELL = """%%colossal --plan "ep=2" --dashboard
+import time
+import torch
+import transformers
+from kernels_runtime.api import parallelize, train_step
+from kernels_runtime.mesh.context import ParallelContext
+
+transformers.logging.set_verbosity_error()
+torch.manual_seed(0)
+model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=64,
+    max_position_embeddings=16, initializer_range=0.2, output_router_logits=True))
+model, opt = parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                         ctx=ParallelContext.build(plan, comm), verbose=False)
+for step in range(30):  # paced, so the heatmap has time to move
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step + 99 * rank))
+    result = train_step(model, opt, [(ids, ids)])
+    time.sleep(0.2)
+print(f"experts trained {step + 1} steps, loss {result.loss:.4f}")
+"""
+
 # Serves the engine above; the test calls it. No API key: the test process reads none of the
 # lab's files (the key's default is tests/workbench/serving/test_serving.py's).
 SERVE_CELL = """from workbench.serving.server import free_port
@@ -140,6 +168,10 @@ PANELS_JS = """
     const t = plot && (plot.data || []).find(t => t.name === 'curves: loss');
     return t ? t.x.length : 0;
   };
+  const heat = plot => {  // the expert-load heatmap's counts, as text: they change per step
+    const t = plot && (plot.data || []).find(t => t.name === 'expert load: tokens');
+    return t ? JSON.stringify(t.z) : '';
+  };
   const kv = plot => {
     const t = plot && (plot.data || []).find(t => t.name === 'KV blocks: used (unshared)');
     return {replicas: t ? [...t.x] : [], used: t ? [...t.y] : [],
@@ -151,7 +183,8 @@ RESETS_JS = """
   window.__curves = [];
   window.__stages = [];
   window.__offload = [];
-  window.__inference = [];"""
+  window.__inference = [];
+  window.__experts = [];"""
 PANELS_SAMPLER = """() => {__PANELS__
   const cellOf = text => [...document.querySelectorAll('.jp-CodeCell')]
     .find(c => c.textContent.includes(text));
@@ -186,6 +219,9 @@ PANELS_SAMPLER = """() => {__PANELS__
                            running: !output(offload).includes('offloaded ')});
     window.__inference.push({...kv(titled(inference, 'inference engine')),
                              running: !output(inference).includes('generated ')});
+    const experts = cellOf('"ep=2" --dashboard');
+    window.__experts.push({z: heat(titled(experts, 'expert load')),
+                           running: !output(experts).includes('experts trained')});
   }, 200);
 }""".replace("__PANELS__", PANELS_JS + RESETS_JS)
 PAGE_PANELS_SAMPLER = """() => {__PANELS__
@@ -196,11 +232,19 @@ PAGE_PANELS_SAMPLER = """() => {__PANELS__
     window.__curves.push({losses: losses(shown('curves')), running});
     window.__offload.push({...disk(shown('offload')), running});
     window.__inference.push({...kv(shown('inference')), running});
+    window.__experts.push({z: heat(shown('expert-load')), running});
   }, 200);
 }""".replace("__PANELS__", PANELS_JS + RESETS_JS)
 SHOWN_WHILE_RUNNING = """id => {
   const el = document.getElementById(id);
   return !el.hidden && el.querySelectorAll('.barlayer .point').length > 0
+    && document.getElementById('status').dataset.cellRunning === 'true';
+}"""
+
+
+HEATMAP_WHILE_RUNNING = """() => {
+  const el = document.getElementById('expert-load');
+  return !el.hidden && (el.data || []).some(t => t.type === 'heatmap')
     && document.getElementById('status').dataset.cellRunning === 'true';
 }"""
 
@@ -235,6 +279,27 @@ def _generating(samples: list[dict], while_running: bool = True) -> list[dict]:
 SETTINGS = {"@jupyterlab/apputils-extension/notification": {"fetchNews": "false"}}
 
 
+def _wait_for_heatmap(page, cell_text: str, screenshot: str) -> None:
+    """The expert-load heatmap under the cell holding ``cell_text`` holds its counts; scrolled
+    to and saved as ``screenshot`` (``wait_for_plot``'s steps, for a plot without bars)."""
+    cell = page.locator(".jp-CodeCell", has_text=cell_text)
+    cell.evaluate("el => el.scrollIntoView({block: 'end'})")
+    plot = cell.locator(".js-plotly-plot", has=page.locator(".gtitle", has_text="expert load"))
+    plot.wait_for(state="attached", timeout=60 * MS)
+    plot.evaluate("""el => new Promise((done, fail) => {
+      const t0 = Date.now();
+      const check = () => {
+        if ((el.data || []).some(t => t.type === 'heatmap' && t.z && t.z.length)) { done(); }
+        else if (Date.now() - t0 > 30000) { fail(new Error('no heatmap counts drawn')); }
+        else { setTimeout(check, 200); }
+      };
+      check();
+    })""")
+    plot.evaluate("el => el.scrollIntoView({block: 'center'})")
+    page.wait_for_timeout(500)  # the cells that came into view are laid out
+    page.screenshot(path=str(ARTIFACTS / screenshot))
+
+
 def _drawn(samples: list[dict]) -> str:
     """What the samples saw of the panel while the cell ran, for a failure's message."""
     running = [s for s in samples if s["running"]]
@@ -251,7 +316,7 @@ def panels(tmp_path_factory):
         with reporting(lab, "failure-pipeline.png"):
             write_notebook(lab.server, "pipeline_check.ipynb", [
                 "%load_ext workbench\n%colossal start -n 2", PIPELINE_CELL, OFFLOAD_CELL,
-                INFERENCE_CELL, SERVE_CELL])
+                INFERENCE_CELL, EXPERT_CELL, SERVE_CELL])
             lab.sidebar = run_all_cells(lab.page, lab.server, "pipeline_check.ipynb",
                                         PANELS_SAMPLER)
             pool = lab.sidebar.locator(".jp-Colossal-pool[data-ranks='2']")
@@ -280,6 +345,10 @@ def test_stage_timeline_offload_and_inference_panels_while_their_cells_run(panel
         dash.wait_for_function(SHOWN_WHILE_RUNNING, arg="inference", timeout=180 * MS)
         dash.wait_for_function(GENERATED_FOR_A_WHILE, timeout=30 * MS)
         dash.screenshot(path=str(ARTIFACTS / "11-inference-dashboard-page.png"), full_page=True)
+        dash.wait_for_function(HEATMAP_WHILE_RUNNING, timeout=180 * MS)
+        dash.wait_for_timeout(2000)  # a few steps' worth of the heatmap moving
+        dash.screenshot(path=str(ARTIFACTS / "17-expert-load-dashboard-page.png"),
+                        full_page=True)
 
         last_prompt = page.locator(".jp-CodeCell .jp-InputPrompt").last
         page.wait_for_function("el => /\\[\\d+\\]/.test(el.textContent)",
@@ -305,12 +374,14 @@ def test_stage_timeline_offload_and_inference_panels_while_their_cells_run(panel
                       "10-offload-notebook.png")
         wait_for_plot(page, '"dp=2" --dashboard', "inference engine",
                       "12-inference-notebook.png")
+        _wait_for_heatmap(page, '"ep=2" --dashboard', "18-expert-load-notebook.png")
         errors = page.locator("[data-mime-type='application/vnd.jupyter.error']")
         assert errors.count() == 0, errors.first.inner_text()
         # the text of every cell, shown or not (JupyterLab skips rendering cells out of view)
         text = page.locator(".jp-Notebook").text_content()
         assert "pipeline trained 60 steps" in text and "offloaded 80 steps" in text
         assert "generated 960 tokens for 16 requests" in text
+        assert "experts trained 30 steps" in text
 
         notebook = [s for s in page.evaluate("window.__stages") if s["running"]]
         drawn = [s["bars"] for s in notebook if s["bars"] > 0]
@@ -353,6 +424,18 @@ def test_stage_timeline_offload_and_inference_panels_while_their_cells_run(panel
         print(f"while the engine generated: {len(on_page)} samples with both replicas' KV "
               f"blocks in use on the dashboard page; the notebook drew the panel in "
               f"{len(notebook)} samples, {len(_generating(notebook))} while the cell ran")
+
+        # the heatmap changes while the cell trains: on the page (polled every 0.5 s) at least
+        # two different step's counts while the cell ran; under the cell, at least two in all
+        # (the notebook may draw a new figure after a busy kernel's cell ended, as above)
+        on_page = {s["z"] for s in dash.evaluate("window.__experts") if s["running"] and s["z"]}
+        assert len(on_page) >= 2, f"the page's heatmap did not move: {sorted(on_page)[:2]}"
+        samples = page.evaluate("window.__experts")
+        notebook = {s["z"] for s in samples if s["z"]}
+        running = {s["z"] for s in samples if s["z"] and s["running"]}
+        assert len(notebook) >= 2, f"the heatmap under the cell did not move: {notebook}"
+        print(f"while the expert-parallel cell ran: {len(on_page)} different heatmaps on the "
+              f"dashboard page; under the cell {len(notebook)}, {len(running)} while it ran")
 
 
 # While the endpoint serves, in the notebook: the endpoint figure under the serve cell (its

@@ -491,3 +491,42 @@ def test_serving_notebook_serves_the_openai_client_and_drains(tmp_path, monkeypa
                      text, re.M), text
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o["output_type"] == "error"]
     assert not errors
+
+
+@pytest.mark.full  # a pool of its own, about a minute on a loaded machine
+def test_moe_notebook_trains_under_ep_shows_expert_load_and_generates(tmp_path, monkeypatch):
+    """11 on 2 ranks at reduced size (10 steps, unpaced): the planner's ep=2 prediction keeps
+    less model state per rank than dp=2 and adds all-to-all bytes; the Mixtral trains under
+    ep=2 (dp=2 carved into one ep group) with its live dashboard, the loss falls, and the
+    expert load the heatmap draws counts every (token, choice) of the step once per block,
+    summed over ranks (8 x 32 tokens x top-2); the 4-rank plans are left out, saying so;
+    the exported checkpoint gives the ranks' logits and generates, and the inference engine
+    under ep=2 (two experts of four per rank) gives HF generate's greedy tokens."""
+    import re
+
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WORKBENCH_RANKS", "2")
+    echo = io.StringIO()
+    nb = run_notebook(NOTEBOOKS / "11_moe.ipynb", timeout_s=300, echo=echo, workdir=tmp_path,
+                      parameters={"STEPS": 10, "PACE_S": 0.0})
+    text = echo.getvalue()
+    assert ("ep=2 runs as one group; its two copies (dp=4 ep=2) and ep=4 need 4 ranks and are "
+            "left out") in text
+    predicted = {plan: (float(mib), float(kib)) for plan, mib, kib in re.findall(
+        r"^(dp=2|ep=2): model state (\S+) MiB per rank, all-to-all (\S+) KiB per step$", text,
+        re.M)}
+    assert predicted["ep=2"][0] < predicted["dp=2"][0] and predicted["dp=2"][1] == 0
+    assert predicted["ep=2"][1] > 0, predicted
+    assert "plan: dp=2 ep=2" in text and "colossal dashboard: ranks [0, 1]" in text
+    first, last = map(float, re.search(r"^ep=2: loss (\S+) -> (\S+)$", text, re.M).groups())
+    assert last < 0.8 * first
+    rows = re.findall(r"^  layer \d: \[([\d, ]+)\]$", text, re.M)
+    assert len(rows) == 2 and all(sum(map(int, r.split(","))) == 8 * 32 * 2 for r in rows), rows
+    assert "left out: ep=4 needs 4 ranks, the pool has 2" in text
+    diff = float(re.search(r"ranks against from_pretrained: (\S+)$", text, re.M).group(1))
+    assert diff <= 1e-5
+    assert len(re.findall(r"^generated: '(?:def|import|class) .*'$", text, re.M)) == 3
+    assert "rank 0: 2 of 4 experts per block" in text  # the engine split the experts
+    assert "the engine's greedy tokens under ep=2 equal HF generate's" in text
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o["output_type"] == "error"]
+    assert not errors

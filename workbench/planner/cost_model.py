@@ -34,18 +34,26 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kernels_runtime.mesh.plan import Plan, PlanError
-from workbench.planner import grid_comm, memory, offload, parallel_comm, pipeline, timing
+from workbench.planner import (
+    expert_terms,
+    grid_comm,
+    memory,
+    offload,
+    parallel_comm,
+    pipeline,
+    timing,
+)
 from workbench.planner.grid import check_grid
 from workbench.planner.hardware import HardwareProfile, get_profile
 from workbench.planner.setting import CATEGORIES, TIERS, MemoryItem, Setting, TimeItem
 from workbench.planner.spec import ModelSpec
 
-MEMORY_TERMS: list[Callable[[Setting], list[MemoryItem]]] = [
-    memory.model_states, memory.activations, pipeline.activations, memory.buffers]
+MEMORY_TERMS: list[Callable[[Setting], list[MemoryItem]]] = [  # expert_terms: ep's split
+    expert_terms.model_states, memory.activations, pipeline.activations, memory.buffers]
 TIME_TERMS: list[Callable[[Setting], list[TimeItem]]] = [
     timing.compute, timing.elementwise, timing.optimizer, timing.dp_comm,
     parallel_comm.tp_comm, parallel_comm.sp_comm, grid_comm.grid_comm, pipeline.pp_comm,
-    timing.overhead]
+    expert_terms.time_items, timing.overhead]
 OFFLOAD_MEMORY_TERMS: list[Callable[[Setting], list[MemoryItem]]] = [
     offload.model_states, memory.activations]
 OFFLOAD_TIME_TERMS: list[Callable[[Setting], list[TimeItem]]] = [
@@ -200,6 +208,7 @@ def plan_label(plan: Plan) -> str:
     label += f" tp_depth={plan.tp_depth}" if plan.tp_depth != 1 else ""
     label += f" sp={plan.sp}" if plan.sp > 1 else ""
     label += f" sp_mode={plan.sp_mode}" if plan.sp_mode != "none" else ""
+    label += f" ep={plan.ep}" if plan.ep > 1 else ""
     label += f" zero={plan.zero_stage} {plan.precision}"
     if plan.microbatches > 1:
         label += f" mb={plan.microbatches}"

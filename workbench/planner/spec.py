@@ -28,8 +28,11 @@ _NAMES = {  # our field -> names it goes by in dicts and HF configs, first match
     "activation": ("activation", "activation_function", "hidden_act"),
     "dropout": ("dropout", "resid_pdrop", "hidden_dropout_prob", "hidden_dropout"),
     "tied_embeddings": ("tied_embeddings", "tie_word_embeddings"),
+    "experts": ("experts", "num_local_experts", "num_experts"),
+    "top_k": ("top_k", "num_experts_per_tok"),
 }
-_GATED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+_GATED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral",
+                   "qwen2_moe", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,11 @@ class ModelSpec:
     activation: str = "gelu"
     dropout: float = 0.0
     tied_embeddings: bool = True
+    # a mixture of experts: each block's MLP is ``experts`` MLPs of width ``ffn`` behind a
+    # router sending each token to ``top_k`` of them (0: a dense block); the expert terms
+    # (``expert_terms.py``) read them
+    experts: int = 0
+    top_k: int = 0
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -87,10 +95,13 @@ class ModelSpec:
             raise ValueError("model config lacks the batch: give batch (samples per "
                              "data-parallel rank per step) or global_batch")
         ints = ("hidden", "layers", "heads", "vocab", "seq", "batch", "global_batch", "ffn",
-                "kv_heads", "params", "positions")
+                "kv_heads", "params", "positions", "experts", "top_k")
         for k in ints:
             if values.get(k) is not None:
                 values[k] = int(values[k])
+        if values.get("experts", 0) and not 0 < values.get("top_k", 0) <= values["experts"]:
+            raise ValueError(f"a mixture of {values['experts']} experts needs top_k (experts "
+                             "per token, num_experts_per_tok) between 1 and the experts")
         if "dropout" in values:
             values["dropout"] = float(values["dropout"])
         if values.get("attention") is not None:
@@ -133,8 +144,23 @@ class ModelSpec:
         return self.vocab * h + head + self.positions * h + (h if self.gated else 2 * h)
 
     @property
+    def expert_mlp_params(self) -> int:
+        """One MLP of a block: under a mixture of experts, one expert's."""
+        f, h = self.ffn_size, self.hidden
+        return 3 * h * f if self.gated else 2 * h * f + f + h
+
+    @property
+    def moe_extra_params(self) -> int:
+        """What a mixture-of-experts block holds beyond the dense layout above (which counts
+        one MLP): the other experts and the router (hidden x experts); 0 for a dense block."""
+        if not self.experts:
+            return 0
+        return (self.experts - 1) * self.expert_mlp_params + self.hidden * self.experts
+
+    @property
     def param_count(self) -> int:
-        return self.params or self.layers * self.layer_params + self.embedding_params
+        return self.params or self.layers * (self.layer_params + self.moe_extra_params) \
+            + self.embedding_params
 
     # ---- under 1D tensor parallelism (the runtime's policies: kernels_runtime/policies) ----
     @property
@@ -248,11 +274,12 @@ class ModelSpec:
         """The names ``Plan.validate`` checks a plan against."""
         return {"num_attention_heads": self.heads, "num_hidden_layers": self.layers,
                 "hidden_size": self.hidden, "num_key_value_heads": self.kv_heads,
-                "vocab_size": self.vocab}
+                "vocab_size": self.vocab, "num_local_experts": self.experts or None}
 
     def describe(self) -> str:
         batch = f"batch {self.batch}/rank" if self.batch is not None \
             else f"global batch {self.global_batch}"
-        return (f"{self.model_type} {self.layers} layers, hidden {self.hidden}, "
+        moe = f", {self.experts} experts (top-{self.top_k})" if self.experts else ""
+        return (f"{self.model_type} {self.layers} layers, hidden {self.hidden}{moe}, "
                 f"{self.heads} heads, vocab {self.vocab}, {self.param_count / 1e6:,.1f} M "
                 f"parameters; seq {self.seq}, {batch}")
