@@ -8,6 +8,10 @@
    interleaved, so load from elsewhere hits both; the median and the spread are printed.
    Engines import torch while the controller starts (``workbench.pool.rank_process``), so on a
    machine with fewer cores than ranks the floor is the ranks' imports sharing those cores.
+3. Step time of a training cell with the live dashboard shown against ``--no-dashboard``
+   (aim: ratio <= 1.03; ``dashboard.py``), rounds interleaved, the spread printed.
+``--parts`` picks which of ``roundtrip,start,dashboard`` run (2 and 3 need 1's pool starts
+only for their own ranks).
 """
 
 from __future__ import annotations
@@ -46,7 +50,25 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=3,
                         help="pool starts per rank count, each beside its own import baseline")
+    parser.add_argument("--parts", default="roundtrip,start,dashboard",
+                        help="which parts to run: roundtrip,start (one loop), dashboard")
+    parser.add_argument("--dash-rounds", type=int, default=6,
+                        help="dashboard on/off rounds (each one cell per mode)")
+    parser.add_argument("--dash-steps", type=int, default=150, help="training steps per cell")
     args = parser.parse_args(argv)
+    parts = set(args.parts.split(","))
+    unknown = parts - {"roundtrip", "start", "dashboard"}
+    if unknown:
+        parser.error(f"--parts: unknown {sorted(unknown)}; choose from roundtrip,start,dashboard")
+    dashboard_ratio = None
+    if "dashboard" in parts:
+        from bench.magic_overhead.dashboard import run as run_dashboard
+
+        dashboard_ratio = run_dashboard(args.dash_rounds, args.dash_steps)
+        if not parts & {"roundtrip", "start"}:
+            print(f"\nheadline: %%colossal step time, dashboard on / off = {dashboard_ratio:.3f}x "
+                  f"(median of {args.dash_rounds} rounds; aim <= 1.03)")
+            return
 
     from IPython.core.interactiveshell import InteractiveShell
 
@@ -93,3 +115,6 @@ def main(argv: list[str]) -> None:
           f"(worst over {args.ranks} ranks; aim <= 1.2)")
     print(f"headline: pool start / python -c 'import torch.distributed' = {worst_start:.2f}x "
           f"(worst over {args.ranks} ranks, median of {args.rounds} rounds; aim <= 3)")
+    if dashboard_ratio is not None:
+        print(f"headline: %%colossal step time, dashboard on / off = {dashboard_ratio:.3f}x "
+              f"(median of {args.dash_rounds} rounds; aim <= 1.03)")

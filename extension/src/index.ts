@@ -7,6 +7,7 @@ import {
   JupyterFrontEnd,
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
+import { IThemeManager } from '@jupyterlab/apputils';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { LabIcon } from '@jupyterlab/ui-components';
@@ -14,6 +15,7 @@ import { LabIcon } from '@jupyterlab/ui-components';
 import { PoolsModel } from './model';
 import { ColossalSidebar, IActiveKernel } from './sidebar';
 import { ColossalStatus } from './status';
+import { watchPlots } from './theme';
 
 const ICON_SVG =
   '<svg xmlns="http://www.w3.org/2000/svg" width="16" height="16" viewBox="0 0 16 16">' +
@@ -31,13 +33,15 @@ const plugin: JupyterFrontEndPlugin<void> = {
   description: 'Colossal sidebar and status item for colossal-workbench pools',
   autoStart: true,
   requires: [ILabShell],
-  optional: [INotebookTracker, IStatusBar],
+  optional: [INotebookTracker, IStatusBar, IThemeManager],
   activate: (
     app: JupyterFrontEnd,
     labShell: ILabShell,
     tracker: INotebookTracker | null,
-    statusBar: IStatusBar | null
+    statusBar: IStatusBar | null,
+    themes: IThemeManager | null
   ) => {
+    watchPlots(); // workbench plots follow the lab's theme (theme.ts, style/base.css)
     const model = new PoolsModel(app.serviceManager.serverSettings);
     const active = (): IActiveKernel | null => {
       const panel = tracker?.currentWidget;
@@ -60,6 +64,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
       status.render();
     };
     tracker?.currentChanged.connect(rerender);
+    // the sidebar's dashboard link carries the theme to the page it opens
+    themes?.themeChanged.connect(rerender);
     tracker?.widgetAdded.connect((_, panel) =>
       panel.sessionContext.kernelChanged.connect(rerender)
     );

@@ -21,6 +21,7 @@ import {
   poolLabel
 } from './model';
 import { apiUrl } from './request';
+import { labTheme } from './theme';
 
 /** What the sidebar needs to know about the notebook in focus. */
 export interface IActiveKernel {
@@ -204,7 +205,8 @@ export class ColossalSidebar extends Widget {
       'a',
       {
         class: 'jp-Colossal-dashboardLink',
-        href: apiUrl(`pools/${pool.id}/dashboard`, this.model.settings),
+        // the page takes the lab's theme from its link, then follows the lab's theme setting
+        href: apiUrl(`pools/${pool.id}/dashboard`, this.model.settings) + `?theme=${labTheme()}`,
         target: '_blank',
         rel: 'noopener'
       },

@@ -4,8 +4,11 @@ through Debian's Chromium by Playwright, the way a user clicks through it.
 What is protected: the quickstart notebook runs top to bottom from the UI ("Run All Cells"),
 the Colossal sidebar and status bar show the 2-rank pool (busy while a cell runs), the live
 plot under the training cell gains points while that cell is still running, the extension's
-dashboard page gains points while it runs too, no cell ends in an error, and the sidebar's
-Start (for the notebook's kernel, with no pool running) and Stop buttons work. Then the plan
+dashboard page gains points while it runs too, and no cell ends in an error. Then, in cells
+appended to it (``browser_themes.py``): the sidebar's Start (for the notebook's kernel, with no
+pool running) and Stop buttons, two cells training under two plans compared by
+``workbench.compare`` in one figure,
+and the lab switched to its dark theme restyling the plots and the dashboard page. Then the plan
 tuner widget: choosing values in its dropdowns in the browser (browser-to-kernel widget
 events) re-predicts the plan, and an impossible choice shows ``Plan.validate``'s words. The
 dashboard's extra panels (stage timeline, offload, inference) are ``test_browser_panels.py``.
@@ -27,7 +30,6 @@ from helpers.browser import (
     keep_for_readme,
     lab_page,
     run_all_cells,
-    write_notebook,
 )
 
 pytestmark = pytest.mark.engines
@@ -75,6 +77,7 @@ QUIET = {"@jupyterlab/apputils-extension/notification": {"fetchNews": "false"}}
 def test_quickstart_runs_in_jupyterlab_with_live_plots(tmp_path):
     with lab_page(tmp_path, "failure.png", QUIET) as (page, server):
         _run_quickstart(page, server)
+        _compare_runs_in_light_and_dark(page, server)
         _move_tuner_controls(page, server)
 
 
@@ -114,19 +117,12 @@ def _run_quickstart(page, server) -> None:
     sidebar.locator(".jp-Colossal-pool[data-state='stopped']").wait_for(timeout=30 * MS)
     page.screenshot(path=str(ARTIFACTS / "4-notebook-done.png"))
 
-    # the sidebar's buttons: Start for the notebook's kernel (no pool running), then Stop
-    sidebar.locator(".jp-Colossal-active button[data-action='start']").click()
-    started = sidebar.locator(".jp-Colossal-pool[data-state='running'][data-ranks='2']")
-    started.wait_for(timeout=120 * MS)
-    page.screenshot(path=str(ARTIFACTS / "5-started-from-sidebar.png"))
-    keep_for_readme(ARTIFACTS / "5-started-from-sidebar.png", "sidebar.png")
-    started.locator("button[data-action='stop']").click()
-    sidebar.locator(".jp-Colossal-message", has_text="pool stopped").wait_for(timeout=60 * MS)
-    assert sidebar.locator(".jp-Colossal-pool:not([data-state='stopped'])").count() == 0
-
     running = [s for s in page.evaluate("window.__samples") if "*" in s["prompt"]]
     drawn = sorted({s["points"] for s in running if s["points"] > 0})
-    assert len(drawn) >= 2, f"the live plot did not gain points while the cell ran: {drawn}"
+    shown = [s["points"] for s in running]  # 200 ms apart: when the plot came, and moved
+    assert len(drawn) >= 2, (f"the live plot did not gain points while the cell ran: {drawn}; "
+                             f"{len(shown)} samples while [*], {shown.count(0)} before the "
+                             f"plot showed")
     busy = [s for s in running if s["points"] > 0 and s["sidebar"] == "busy"]
     assert busy and any("Colossal: 2 ranks, busy" in s["status"] for s in busy), running[-3:]
     dash_running = sorted({s["points"] for s in dash.evaluate("window.__samples")
@@ -134,48 +130,24 @@ def _run_quickstart(page, server) -> None:
     assert len(dash_running) >= 2, f"the dashboard page did not move: {dash_running}"
     print(f"while the cell ran: {len(drawn)} point counts in the notebook's plot, "
           f"{len(dash_running)} on the dashboard page")
+    dash.close()
 
 
-TUNER_CELL = """import workbench
+def _compare_runs_in_light_and_dark(page, server) -> None:
+    """The sidebar's Start and Stop, two runs under two plans and ``workbench.compare``, and
+    the lab's dark theme restyling the plots and the dashboard page (``browser_themes.py``)."""
+    import time
 
-tuner = workbench.tune({"hidden": 64, "layers": 2, "heads": 2, "vocab": 256, "seq": 64,
-                        "batch": 4, "model_type": "gpt2"}, world_size=2, hardware="H100")
-tuner"""
+    from browser_themes import check_compare_and_themes
+
+    began = time.monotonic()
+    check_compare_and_themes(page, server)
+    print(f"start, two runs compared, light and dark: {time.monotonic() - began:.0f} s")
 
 
 def _move_tuner_controls(page, server) -> None:
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    """The plan tuner in the same lab: zero 0 -> 3 against the planner, a click on a
+    candidate, no clipped label (``browser_tuner.py``)."""
+    from browser_tuner import check_tuner
 
-    write_notebook(server, "tuner_check.ipynb", [TUNER_CELL])
-    page.goto(f"{server.url}/lab/tree/tuner_check.ipynb?token={server.token}")
-    cell = page.locator(".jp-CodeCell", has_text="workbench.tune").first
-    cell.wait_for(timeout=90 * MS)
-    prediction = page.locator(".widget-html", has_text="per rank").first
-    # The restored workspace also reopens the quickstart, and a run request sent while this
-    # notebook's new kernel is still connecting can be dropped: run the cell itself (Shift+Enter
-    # in its editor) and repeat until its widget shows; running it twice is harmless.
-    for _ in range(4):
-        cell.locator(".jp-InputArea-editor").click()
-        page.keyboard.press("Shift+Enter")
-        try:
-            prediction.wait_for(timeout=30 * MS)
-            break
-        except PlaywrightTimeout:
-            continue
-    else:
-        raise AssertionError("the tuner cell never showed its widget")
-    assert "dp=2 zero=0 fp32" in prediction.inner_text()
-
-    def choose(label: str, value: str) -> None:
-        page.locator(f".widget-dropdown:has(label:text-is('{label}')) select").select_option(
-            label=value)
-
-    choose("ZeRO stage", "3")  # the kernel re-predicts: the pane names the new plan
-    page.locator(".widget-html", has_text="dp=2 zero=3 fp32").first.wait_for(timeout=30 * MS)
-    choose("data parallel (dp)", "4")  # impossible on 2 ranks
-    error = page.locator(".workbench-plan-error")
-    error.wait_for(timeout=30 * MS)
-    assert error.inner_text() == ("dp*tp*pp*sp = 4*1*1*1 = 4 but the pool has 2 ranks; make "
-                                  "the product 2, or write dp=auto")
-    page.screenshot(path=str(ARTIFACTS / "6-tuner-invalid-plan.png"))
-    keep_for_readme(ARTIFACTS / "6-tuner-invalid-plan.png", "tuner.png")
+    check_tuner(page, server)

@@ -10,6 +10,7 @@ runtime's own per-step costs, which no data sheet knows.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +111,9 @@ class HardwareProfile:
     disk_read: float = 0.0
     disk_write: float = 0.0
     host_bandwidth: float = 0.0
+    # memory-bound rate against the working set: per precision, (bytes one block keeps for
+    # backward, that rate) at several micro-batch sizes, ascending; empty: one rate for all
+    activation_curve: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     source: str = ""
 
     @property
@@ -132,6 +136,29 @@ class HardwareProfile:
         bwd = (self.attention_bwd_flops or self.attention_flops or self.matmul_bwd_flops
                or self.matmul_flops)[precision]
         return fwd, bwd
+
+    def activation_rate_at(self, precision: str, kept_per_block: float) -> float:
+        """Bytes kept for backward per second of memory-bound work, for blocks that each keep
+        ``kept_per_block`` bytes per micro-batch.
+
+        On a CPU this rate is not a constant: it falls for fp32 as a block's tensors outgrow
+        the caches (more page faults and cache misses per byte) and rises for bf16, whose
+        per-op fixed costs (conversions, dispatch) amortize over larger tensors; measured on
+        2 cores, fp32 from 2.6 to 1.2 GB/s and bf16 from 1.0 to 1.7 GB/s between 1 and 8
+        samples of 128 tokens, which flips which precision is faster. With a calibrated curve
+        the rate is interpolated linearly in log(bytes)-log(rate) between the two nearest
+        measured sizes, and held at the end points beyond them; without one (data sheets),
+        ``activation_rate``."""
+        points = self.activation_curve.get(precision)
+        if not points or kept_per_block <= 0:
+            return self.activation_rate[precision]
+        if kept_per_block <= points[0][0]:
+            return points[0][1]
+        for (x0, r0), (x1, r1) in zip(points, points[1:]):
+            if kept_per_block <= x1:
+                w = math.log(kept_per_block / x0) / math.log(x1 / x0) if x1 > x0 else 1.0
+                return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))
+        return points[-1][1]
 
     def link(self, op: str, ranks: int, stride: int = 1) -> Link:
         """The ring link of a collective over ``ranks`` ranks spaced ``stride`` apart: NVLink
@@ -252,8 +279,16 @@ def from_measurements(measured: dict[str, Any] | list[dict[str, Any]]) -> Hardwa
         overhead={int(k): Overhead(v["step"], v["micro"], v["layer"])
                   for k, v in m.get("overhead", {}).items()},
         **_transfer_rates(m.get("transfer") or {}),
+        activation_curve=_curve(m.get("activation_curve") or {}),
         source=f"measured in {m.get('seconds', 0):.1f} s on block (b, s, h, a, ffn) = {m['block']}",
     )
+
+
+def _curve(measured: dict[str, Any]) -> dict[str, tuple[tuple[float, float], ...]]:
+    """``activation_curve`` of a record: {precision: {batch: {"kept", "rate"}}} (see
+    ``workbench.planner.calibration.measure_on_rank``) as ascending (kept, rate) pairs."""
+    return {k: tuple(sorted((float(p["kept"]), float(p["rate"])) for p in v.values()))
+            for k, v in measured.items() if v}
 
 
 def _transfer_rates(t: dict[str, Any]) -> dict[str, float]:

@@ -75,13 +75,17 @@ def compute(st: Setting) -> list[TimeItem]:
 
 def elementwise(st: Setting) -> list[TimeItem]:
     """Memory-bound ops (norms, activation functions, residual adds, copies, fresh memory),
-    proportional to the bytes kept for backward without recomputation."""
+    proportional to the bytes kept for backward without recomputation, at the rate measured
+    for blocks of this micro-batch's size (``HardwareProfile.activation_rate_at``)."""
     kept = activation_bytes(st.spec, st.micro_batch, st.elem, False, st.tp, st.sp,
                             st.plan.sp_mode, st.grid, layers=st.layers)
     if not st.has_head:
         kept["head"] = 0.0
-    seconds = (kept["layers"] + kept["head"]) * st.microbatches \
-        / st.hw.activation_rate[st.plan.precision]
+    # the rate at this micro-batch's working set: one layer's kept bytes (a calibration
+    # block's measure); on a CPU it moves with the size, differently per precision
+    per_layer = kept["layers"] / st.layers if st.layers else kept["head"]
+    rate = st.hw.activation_rate_at(st.plan.precision, per_layer)
+    seconds = (kept["layers"] + kept["head"]) * st.microbatches / rate
     items = [TimeItem("forward memory-bound ops", "compute", seconds / 3, phase="forward"),
              TimeItem("backward memory-bound ops", "compute", 2 * seconds / 3, phase="backward")]
     if st.plan.activation_checkpointing and seconds:

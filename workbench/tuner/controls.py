@@ -12,6 +12,10 @@ Controls come in groups, one per dimension of a plan (``GROUPS``: data, tensor, 
 sequence, expert, memory, precision), each with its full label and a tooltip saying what the
 field does. Labels take their natural width (``description_width: initial``): a fixed label
 column clipped the long ones ("activation ch...") in the browser.
+
+A field's ``None`` (dp auto, an unlimited budget) is held in its menu as ``AUTO``: ipywidgets
+shows a ``None`` value as an empty menu (its index becomes ``None``), so "auto" and
+"unlimited" would read as blank; ``read`` and ``set_value`` translate at the edge.
 """
 
 from __future__ import annotations
@@ -101,6 +105,16 @@ GROUPS = {  # dimension -> its fields, in the order shown
 LABEL_STYLE = {"description_width": "initial"}  # a label as wide as its text, never clipped
 
 
+class _Auto:
+    """A menu value standing for a plan field's ``None`` (see the module's docstring)."""
+
+    def __repr__(self) -> str:
+        return "AUTO"
+
+
+AUTO = _Auto()
+
+
 def degree_choices(world_size: int) -> list[int]:
     """Degrees worth trying on ``world_size`` ranks: its divisors, powers of two up to it, and
     one step past it (so the out-of-range message can be seen)."""
@@ -140,7 +154,9 @@ def make_controls(world_size: int, initial: Plan) -> dict[str, widgets.ValueWidg
         if f.name == "activation_checkpointing":
             controls[f.name] = widgets.Checkbox(value=bool(value), indent=False, **common)
             continue
-        controls[f.name] = widgets.Dropdown(options=options[f.name], **common)
+        controls[f.name] = widgets.Dropdown(
+            options=[(label, AUTO if v is None else v) for label, v in options[f.name]],
+            **common)
         set_value(controls[f.name], value)
     return controls
 
@@ -163,8 +179,14 @@ def grouped(controls: dict[str, widgets.Widget],
                               grid_gap="6px"))
 
 
+def read(control: widgets.ValueWidget) -> Any:
+    """The plan value a control shows (``None`` for its "auto" / "unlimited" entry)."""
+    return None if control.value is AUTO else control.value
+
+
 def set_value(control: widgets.ValueWidget, value: Any) -> None:
     """Set a control, first adding a value its menu lacks (e.g. from a given plan)."""
+    value = AUTO if value is None and isinstance(control, widgets.Dropdown) else value
     if isinstance(control, widgets.Dropdown) and all(v != value for _, v in control.options):
         control.options = [*control.options, (str(value), value)]
     control.value = value

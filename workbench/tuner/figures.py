@@ -9,8 +9,9 @@
   point carries its plan (``customdata``: ``Plan.to_string()``) for a click to select;
 - ``trials_figure``: measured trials, predicted against measured (step time, memory).
 
-The dashboard's conventions: bytes drawn in MiB (2**20), times in seconds, one colour per tier
-(``dashboard.offload.TIERS``; categories differ by pattern), and every trace has a unique name.
+The dashboard's conventions (``dashboard.style``): bytes drawn in MiB (2**20), times in seconds,
+one colour per tier (categories differ by pattern), theme-neutral figures that follow the lab's
+light and dark themes, and every trace has a unique name.
 Nothing here holds state: the tuner builds a figure and copies it into its shown widget.
 """
 
@@ -34,15 +35,15 @@ from workbench.tuner.breakdown import (
 )
 from workbench.tuner.render import seconds, size
 from workbench.tuner.trials import Trial
-from workbench.ui.dashboard.offload import TIERS as TIER_COLOURS
+from workbench.ui.dashboard.style import NEUTRAL_TEXT, colour, themed
 
 MIB = 2**20
-TIER_COLOUR = dict(TIER_COLOURS)
+TIER_COLOUR = {tier: colour(tier) for tier in ("device", "host", "disk")}
 PATTERN = {"params": "", "grads": "/", "optimizer": "x", "activations": ".", "buffers": "-"}
-PART_COLOUR = {"compute": "#4c78a8", "optimizer": "#54a24b", "overhead": "#9d755d",
+PART_COLOUR = {"compute": colour("compute"), "optimizer": "#54a24b", "overhead": "#9d755d",
                "pipeline bubble": "#bab0ac", "offload I/O": "#b279a2"}
 AXIS_COLOUR = {  # per mesh axis, the same in every plan
-    "comm: dp": "#f58518", "comm: dp_sp": "#f58518", "comm: tp": "#e45756",
+    "comm: dp": colour("comm"), "comm: dp_sp": colour("comm"), "comm: tp": "#e45756",
     "comm: sp": "#72b7b2", "comm: pp": "#ff9da6", "comm: tp_row": "#e45756",
     "comm: tp_col": "#c44e52", "comm: tp_dep": "#8c564b", "comm: embedding": "#eeca3b"}
 MAX_RANK_BARS = 16  # beyond it, one bar per pipeline stage (its ranks hold the same)
@@ -89,7 +90,7 @@ def memory_figure(p: Prediction, budget: dict[str, float | None]) -> go.Figure:
                       title=f"predicted memory per rank: {plan_label(p.plan)}, device peak "
                             f"{size(peak)}", legend={"font": {"size": 10}})
     fig.update_yaxes(title_text="MiB per rank", row=1, col=1)
-    return fig
+    return themed(fig)
 
 
 def time_figure(p: Prediction) -> go.Figure:
@@ -107,7 +108,7 @@ def time_figure(p: Prediction) -> go.Figure:
                       title=f"predicted step time {seconds(p.step_time)}: where it goes",
                       legend={"font": {"size": 10}, "orientation": "h", "y": -0.45})
     fig.update_xaxes(title_text="s per step")
-    return fig
+    return themed(fig)
 
 
 def candidates_figure(candidates: Sequence[Prediction], budget: float,
@@ -115,7 +116,9 @@ def candidates_figure(candidates: Sequence[Prediction], budget: float,
                       selected: Plan | None = None) -> go.Figure:
     """Every candidate's predicted step time (s, log axis) against its peak device memory
     (MiB): those within ``budget`` and those over it, the Pareto front over all of them
-    joined, ``recommended`` and ``selected`` ringed. Clickable traces carry their plans."""
+    joined, ``recommended`` and ``selected`` ringed. Clickable traces carry their plans. The
+    budget line is drawn only within ``BUDGET_IN_VIEW`` of the largest candidate: an 80 GB
+    budget beside plans of a few MiB would put every point in one column at x = 0."""
     fits = [c for c in candidates if c.peak_bytes <= budget]
     over = [c for c in candidates if c.peak_bytes > budget]
     points = [(c.peak_bytes, c.step_time) for c in candidates]
@@ -129,19 +132,21 @@ def candidates_figure(candidates: Sequence[Prediction], budget: float,
                               "markers"))
     fig.add_trace(marked_trace("recommended", candidates, recommended))
     fig.add_trace(marked_trace("selected", candidates, selected))
-    fig.add_vline(x=budget / MIB, line={"dash": "dash", "color": "#b00020"},
-                  annotation_text=f"budget {size(budget)}")
+    largest = max((c.peak_bytes for c in candidates), default=0) / MIB
+    if budget / MIB <= BUDGET_IN_VIEW * max(largest, 1e-9):  # a far budget squeezes the points
+        fig.add_vline(x=budget / MIB, line={"dash": "dash", "color": "#b00020"},
+                      annotation_text=f"budget {size(budget)}")
     fig.update_layout(height=420, margin={"t": 60, "b": 50}, hovermode="closest",
                       title=f"{len(candidates)} candidate plans ({len(fits)} within the "
                             f"budget, {len(front)} on the Pareto front): click one to select it",
                       legend={"font": {"size": 10}})
     fig.update_xaxes(title_text="predicted peak device memory (MiB per rank)")
     fig.update_yaxes(title_text="predicted step time (s)", type="log")
-    return fig
+    return themed(fig)
 
 
 MARKS = {"recommended": {"symbol": "star", "size": 16, "color": "#54a24b"},
-         "selected": {"symbol": "circle-open", "size": 18, "color": "#222",
+         "selected": {"symbol": "circle-open", "size": 18, "color": NEUTRAL_TEXT,
                       "line": {"width": 2}}}
 
 
@@ -193,4 +198,4 @@ def trials_figure(trials: Sequence[Trial]) -> go.Figure:
         fig.update_yaxes(title_text="predicted", row=1, col=col)
     fig.update_layout(height=320, margin={"t": 60, "b": 40}, showlegend=False,
                       title=f"{len(ok)} measured trial(s)")
-    return fig
+    return themed(fig)

@@ -3,8 +3,10 @@
 A shown widget is updated rather than replaced (replacing a cell's output while it is shown
 detaches the old view): each refresh builds a new figure with ``figures`` and copies it into
 the widget in one batch, trace by trace when the traces are the same ones (the usual case as a
-control moves), else by swapping the traces. The candidates and trials figures stay hidden
-until there is something to draw (``Recommend``, a measured trial).
+control moves), else by swapping the traces; the widget's synced state follows, so a view
+drawn later (or one whose script loaded after the edits) draws the same figure. The
+candidates and trials figures stay hidden until there is something to draw (``Recommend``, a
+measured trial).
 
 Figures are drawn only once the tuner is shown (``start``, called by ``Tuner``'s display):
 building plotly figures costs a tenth of a second per control move and importing plotly a
@@ -18,6 +20,7 @@ candidate trace carries in ``customdata`` (``figures.candidates_figure``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from copy import deepcopy
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
@@ -43,6 +46,13 @@ def refresh(widget: go.FigureWidget, fig: go.Figure) -> None:
             widget.data = []
             widget.add_traces(list(fig.data))
         widget.layout = fig.layout
+    # The edits above reach a view only through the browser's figure model, which starts
+    # listening once plotly's widget script has loaded, after the widget was created: edits
+    # sent before are lost and the view drew an empty figure. The model's state is what a view
+    # draws first, so it is kept equal to the figure (what plotly does for a figure displayed
+    # on its own, in ``_repr_mimebundle_``; here the figure is a child of the tuner's box).
+    widget._widget_data = deepcopy(widget._data)
+    widget._widget_layout = deepcopy(widget._layout_obj._props)
 
 
 class TunerFigures:

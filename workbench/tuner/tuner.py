@@ -38,7 +38,14 @@ from workbench.planner.cost_model import Prediction, plan_label
 from workbench.planner.recommend import per_step_workload
 from workbench.tuner import render
 from workbench.tuner.breakdown import budgets
-from workbench.tuner.controls import LABEL_STYLE, grouped, make_controls, plan_from, set_value
+from workbench.tuner.controls import (
+    LABEL_STYLE,
+    grouped,
+    make_controls,
+    plan_from,
+    read,
+    set_value,
+)
 from workbench.tuner.panes import TunerFigures
 from workbench.tuner.trials import Trial
 from workbench.tuner.trials import measure as measure_trial
@@ -107,8 +114,9 @@ class Tuner:
         self.measure_button.on_click(lambda _: self._guarded(self.measure))
         self.use_button.on_click(lambda _: self._guarded(self.use))
         self.recommend_button.on_click(lambda _: self._guarded(self.recommend))
+        self._moving = False  # ``set`` is moving several controls: predict once, after
         for control in (*self.controls.values(), self.hardware_control):
-            control.observe(lambda _: self._guarded(self.update), names="value")
+            control.observe(self._control_moved, names="value")
         self.plan: Plan | None = None
         self.error: str | None = None
         self.prediction: Prediction | None = None
@@ -127,7 +135,7 @@ class Tuner:
 
     @property
     def values(self) -> dict[str, Any]:
-        return {name: control.value for name, control in self.controls.items()}
+        return {name: read(control) for name, control in self.controls.items()}
 
     @property
     def hardware(self) -> HardwareProfile:
@@ -149,11 +157,20 @@ class Tuner:
         if unknown:
             raise ValueError(f"not plan fields: {', '.join(unknown)}; fields are "
                              f"{', '.join(self.controls)}")
-        with self.widget.hold_sync():
-            for name, value in values.items():
-                set_value(self.controls[name], value)
+        self._moving = True
+        try:
+            with self.widget.hold_sync():
+                for name, value in values.items():
+                    set_value(self.controls[name], value)
+        finally:
+            self._moving = False
         self.update()
         return self
+
+    def _control_moved(self, _change: Any) -> None:
+        """A control moved (in the browser, or by a script): predict the plan it makes."""
+        if not self._moving:  # a half-moved plan is not shown (nor its figures drawn)
+            self._guarded(self.update)
 
     def update(self) -> None:
         """Validate and predict the controls' plan, and show the result."""

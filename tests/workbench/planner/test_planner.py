@@ -453,7 +453,7 @@ def test_recommend_picks_2_5d_on_slow_links_and_1d_inside_a_node():
     and 1D's 64-rank rings cross InfiniBand, the 4 x 4 x 4 grid keeps its rows on NVLink and
     moves 1/d of the activations; recommend picks 2.5D. Inside one 8-GPU NVLink node 1D wins.
     (Tensor parallelism alone, pp=1: with pipelines allowed, tp=4 inside the node and 16
-    stages across them beat every grid here; tests/workbench/test_planner_pipeline.py.)"""
+    stages across them beat every grid here; tests/workbench/planner/test_planner_pipeline.py.)"""
     rec = recommend(GPT_39B, 64, 80e9, SLOW_NODES, precisions=("bf16",), dp=1, pp=1)
     assert (rec.plan.tp_mode, rec.plan.tp, rec.plan.tp_depth) == ("2.5d", 64, 4)
     one_d = min(p.step_time for p in rec.ranked if p.plan.tp_mode == "1d")
@@ -510,3 +510,28 @@ def test_tesseract_projection():
         assert runs[name].peak_bytes <= 80e9, name
     assert eight["1D"] > 1 and four["1D"] > 1
     assert eight["2D"] < 1 < four["2D"]
+
+
+def test_memory_bound_rate_follows_the_calibrated_curve_of_block_sizes():
+    """The memory-bound rate of a calibrated CPU profile depends on a block's working set
+    (``HardwareProfile.activation_rate_at``): log-log interpolation between measured sizes, the
+    end points held beyond them, ``activation_rate`` without a curve; and the elementwise term
+    prices each plan's micro-batch at the rate of its size."""
+    curve = {"fp32": ((1e6, 2.0e9), (4e6, 1.0e9)), "bf16": ((1e6, 0.5e9), (4e6, 2.0e9))}
+    hw = dataclasses.replace(_unit_hardware(), activation_curve=curve)
+    assert hw.activation_rate_at("fp32", 2e6) == pytest.approx(2.0e9 / 2 ** 0.5)  # halfway
+    assert hw.activation_rate_at("bf16", 2e6) == pytest.approx(1.0e9)
+    assert hw.activation_rate_at("fp32", 1e3) == 2.0e9 and hw.activation_rate_at("fp32", 1e9) \
+        == 1.0e9
+    assert hw.activation_rate_at("fp16", 2e6) == float("inf")  # no curve: activation_rate
+    spec = ModelSpec(hidden=128, layers=2, heads=2, vocab=256, seq=128, global_batch=16)
+
+    def memory_bound(plan: str, profile) -> float:
+        return sum(t.seconds for t in predict(plan, spec, profile).time
+                   if "memory-bound" in t.name)
+
+    for plan, micro, elem in (("dp=2 fp32", 8, 4), ("dp=2 bf16 mb=8", 1, 2)):
+        precision, m = plan.split()[1], 8 // micro  # 8 samples per rank: 1 x 8 or 8 x 1
+        kept = activation_bytes(spec, micro, elem, False)
+        rate = hw.activation_rate_at(precision, kept["layers"] / spec.layers)
+        assert memory_bound(plan, hw) == pytest.approx((kept["layers"] + kept["head"]) * m / rate)

@@ -138,6 +138,12 @@ def test_calibration_on_ranks_is_sane(two_ranks):
     single = calibrate_ranks(1, model=TINY_GPT2, dtypes=("fp32",), reps=1, window_s=0.002)
     _sane(single)
     assert single.collectives == {} and set(single.overhead) == {0}
+    # the memory-bound rate at each micro-batch size a plan can give a rank (1, 4, ... the
+    # batch): what one block keeps grows with the samples, every rate is a rate
+    curve = single.activation_curve["fp32"]
+    kept = [k for k, _ in curve]
+    assert len(curve) >= 2 and kept == sorted(kept) and kept[0] > 0
+    assert all(0 < r < 1e16 for _, r in curve)
 
 
 @pytest.mark.engines

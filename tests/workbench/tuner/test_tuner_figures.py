@@ -60,6 +60,11 @@ def test_zero_3_moves_the_memory_bars_by_the_zero_formula():
             assert after[f"device: {category}"][rank] - before[f"device: {category}"][rank] \
                 == pytest.approx((now - was) / MIB, rel=1e-12)
     assert "zero=3" in tuner.figures.memory.layout.title.text
+    # the synced state, what a browser view draws first, follows the edits (the view of a
+    # widget created just before its edits would otherwise draw an empty figure)
+    for fig in (tuner.figures.memory, tuner.figures.time):
+        assert fig._widget_data == fig._data
+        assert fig._widget_layout == fig._layout_obj._props
     tuner.controls["dp"].value = 4  # impossible on 2 ranks: no bars of a plan that is not
     assert tuner.error and tuner.figures.prediction_box.layout.display == "none"
     tuner.controls["dp"].value = 2
@@ -159,6 +164,13 @@ def test_every_control_has_its_full_label_and_tooltip():
         # a label as wide as its text: no fixed label column, no fixed narrow widget
         assert control.style.description_width == "initial", name
         assert control.layout.width == "auto", name
+    # a None field shows its menu's entry, not an empty menu (ipywidgets blanks a None value)
+    assert (tuner.controls["dp"].label, tuner.controls["device_mem"].label) == (
+        "auto", "unlimited")
+    assert tuner.values["dp"] is None and tuner.plan.dp == 2
+    tuner.set(dp=2)
+    tuner.set(dp=None)
+    assert tuner.controls["dp"].label == "auto" and tuner.values["dp"] is None
     shown = [w for box in tuner.widget.children[1].children for w in box.children[1:]]
     assert shown == [*(tuner.controls[n] for n in grouped), tuner.hardware_control]
 

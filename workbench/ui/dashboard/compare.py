@@ -22,9 +22,8 @@ from typing import Any
 from workbench.ui.dashboard.curves import DEFAULT_SMOOTHING, drawn_logs, smooth
 from workbench.ui.dashboard.history import RunHistory
 from workbench.ui.dashboard.runs import SESSION_RUNS, KeptRun, figures_of
+from workbench.ui.dashboard.style import BYTES_AXIS, colour, sizes, themed
 
-COLOURS = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6",
-           "#9d755d")
 TIERS = ("device", "host", "disk")
 
 
@@ -113,26 +112,39 @@ def compare(*runs: Any, smoothing: float = DEFAULT_SMOOTHING) -> Any:
              for i, c in enumerate(got)]
     fig = make_subplots(rows=1, cols=3, column_widths=[0.5, 0.2, 0.3], horizontal_spacing=0.08,
                         subplot_titles=("loss (log; eval dashed)", "tokens/s (all ranks)",
-                                        "peak memory per tier (bytes)"))
+                                        "peak memory per tier (largest rank)"))
     for i, (run, name) in enumerate(zip(got, names)):
-        colour = COLOURS[i % len(COLOURS)]
+        hue = colour(f"run {i + 1}")
         steps, loss = run.loss
         fig.add_trace(go.Scatter(x=steps, y=smooth(loss, smoothing) if loss else [],
                                  name=name, legendgroup=name, mode="lines",
-                                 line={"color": colour}), row=1, col=1)
+                                 # the first run wide and faint: a run with the very same
+                                 # losses (another plan's parity) still shows under it
+                                 line={"color": hue, "width": 6 if i == 0 else 2},
+                                 opacity=0.5 if i == 0 and len(got) > 1 else 1.0,
+                                 hovertemplate=f"{name}<br>step %{{x}}: loss %{{y:.5g}} "
+                                               "(smoothed)<extra></extra>"), row=1, col=1)
         if run.eval_loss[0]:
             fig.add_trace(go.Scatter(x=run.eval_loss[0], y=run.eval_loss[1],
                                      name=f"{name}: eval", legendgroup=name, showlegend=False,
-                                     mode="lines+markers", line={"color": colour, "dash": "dash"}),
+                                     mode="lines+markers", line={"color": hue, "dash": "dash"},
+                                     hovertemplate=f"{name}<br>step %{{x}}: eval loss "
+                                                   "%{y:.5g}<extra></extra>"),
                           row=1, col=1)
         fig.add_trace(go.Bar(x=[name], y=[run.tokens_per_s], name=f"{name}: tokens/s",
-                             legendgroup=name, showlegend=False, marker={"color": colour}),
+                             legendgroup=name, showlegend=False, marker={"color": hue},
+                             hovertemplate=f"{name}: %{{y:,.1f}} tokens/s<extra></extra>"),
                       row=1, col=2)
-        fig.add_trace(go.Bar(x=list(TIERS), y=[run.peak_memory.get(t, 0) for t in TIERS],
+        peak = [run.peak_memory.get(t, 0) for t in TIERS]
+        fig.add_trace(go.Bar(x=list(TIERS), y=peak, customdata=sizes(peak),
                              name=f"{name}: peak memory", legendgroup=name, showlegend=False,
-                             marker={"color": colour}), row=1, col=3)
+                             marker={"color": hue},
+                             hovertemplate=f"{name}, %{{x}}: %{{y:,}} B (%{{customdata}})"
+                                           "<extra></extra>"), row=1, col=3)
+    themed(fig)
     fig.update_yaxes(type="log", row=1, col=1)
-    fig.update_yaxes(tickformat="~s", row=1, col=3)
+    fig.update_yaxes(tickformat="~s", ticksuffix=" tok/s", row=1, col=2)
+    fig.update_yaxes(BYTES_AXIS, row=1, col=3)
     fig.update_xaxes(title_text="training step", row=1, col=1)
     fig.update_xaxes(showticklabels=False, row=1, col=2)
     fig.update_layout(barmode="group", height=420, title=f"{len(got)} runs compared",

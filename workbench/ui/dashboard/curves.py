@@ -22,11 +22,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from workbench.ui.dashboard.style import colour
+
 PREFIX = "curves: "  # every trace of the panel is named "curves: ..."
 DEFAULT_SMOOTHING = 0.6  # TensorBoard's default
 MAX_DRAWN = 1000  # points drawn per series (every n-th beyond that); the run keeps them all
-SERIES = (("loss", "x", "y", "#4c78a8"), ("eval loss", "x", "y", "#e45756"),
-          ("lr", "x2", "y2", "#54a24b"), ("grad norm", "x3", "y3", "#b279a2"))
+SERIES = (("loss", "x", "y"), ("eval loss", "x", "y"), ("lr", "x2", "y2"),
+          ("grad norm", "x3", "y3"))  # coloured by ``style.colour``: the series, or the rank
 
 
 class CurveLog:
@@ -117,7 +119,11 @@ def curve_traces(logs: dict[int, CurveLog], smoothing: float = DEFAULT_SMOOTHING
     traces: dict[str, dict[str, Any]] = {}
     for rank, log in drawn.items():
         suffix = f" (rank {rank})" if len(drawn) > 1 else ""
-        for what, xa, ya, colour in SERIES:
+        for what, xa, ya in SERIES:
+            # one rank drawn: a colour per series; several: each rank its own colour (as in
+            # every panel), eval loss dashed beside its loss
+            hue = colour(rank) if len(drawn) > 1 else colour(what)
+            dash = "dash" if len(drawn) > 1 and what == "eval loss" else "solid"
             x, y = log.series(what.replace(" norm", "_norm"))
             if last:
                 x, y = x[-last:], y[-last:]
@@ -129,17 +135,17 @@ def curve_traces(logs: dict[int, CurveLog], smoothing: float = DEFAULT_SMOOTHING
             mode = "lines+markers" if len(x) < 50 else "lines"
             if what == "lr":  # a schedule, not a noisy measurement: drawn as it is
                 traces[raw] = {"type": "scatter", "mode": mode, "x": x, "y": y, "xaxis": xa,
-                               "yaxis": ya, "line": {"color": colour, "shape": "hv"},
+                               "yaxis": ya, "line": {"color": hue, "shape": "hv"},
                                "hovertemplate": "step %{x}: lr %{y:.4g}<extra></extra>"}
                 continue
             traces[raw] = {"type": "scatter", "mode": mode,
                            "x": x, "y": y, "xaxis": xa, "yaxis": ya, "opacity": 0.3,
-                           "line": {"color": colour}, "showlegend": False,
+                           "line": {"color": hue, "dash": dash}, "showlegend": False,
                            "hovertemplate": f"step %{{x}}: {what}{unit}%{{y:.5g}} (raw)"
                                             "<extra></extra>"}
             traces[f"{raw} (smoothed)"] = {
                 "type": "scatter", "mode": "lines", "x": x, "y": smooth(y, smoothing),
-                "xaxis": xa, "yaxis": ya, "line": {"color": colour},
+                "xaxis": xa, "yaxis": ya, "line": {"color": hue, "dash": dash},
                 "meta": {"smooth_of": raw},
                 "hovertemplate": f"step %{{x}}: {what}{unit}%{{y:.5g}} (smoothed)<extra></extra>"}
     return traces

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from workbench.ui.dashboard.history import append_bounded
+from workbench.ui.dashboard.style import NEUTRAL_TEXT
 
 PREFIX = "endpoint: "  # every trace of the panel is named "endpoint: ..."
 RATE_WINDOW_S = 5.0
@@ -136,7 +137,7 @@ def endpoint_traces(history: EndpointHistory,
 
     return {
         f"{PREFIX}requests/s": line("requests_per_s", ("x", "y"),
-                                    "%{y:,.2f} requests/s", line={"color": "#222"}),
+                                    "%{y:,.2f} requests/s", line={"color": NEUTRAL_TEXT}),
         f"{PREFIX}failed requests/s": line(
             "failed_per_s", ("x", "y"), "%{y:,.2f} failed requests/s (4xx, 5xx, 499)",
             line={"color": "#d62728", "dash": "dot"}),

@@ -29,7 +29,9 @@ summed over ranks, as a heatmap (``expert_load.py``). While an endpoint serves, 
 (``endpoint.py``: requests/s, in flight, KV use) stands above them all.
 
 Values are the runtime's own numbers, unscaled (bytes, seconds), so what a figure shows can be
-checked against ``CommStats`` and ``Telemetry.snapshot()``; axes format them (``~s``: 1.2M).
+checked against ``CommStats`` and ``Telemetry.snapshot()``; axes print them with a unit (``1.2MB``,
+``3 s``) and hovers in MiB. Colours, units and the light/dark theme come from ``style.py``, for
+every builder here and elsewhere (``compare``, the tuner, the lab's dashboard page).
 Every trace has a unique name (``"memory: host"``, ``"comm: dp"``, ``"tokens/s: rank 0"``,
 ``"stage: F (forward)"``, ``"model state: disk"``, ``"moved: host->disk"``,
 ``"queue: waiting"``, ``"KV blocks: free"``, ``"endpoint: requests/s"``).
@@ -53,12 +55,19 @@ from workbench.ui.dashboard.expert_load import (
 from workbench.ui.dashboard.history import RunHistory
 from workbench.ui.dashboard.inference import inference_layout, inference_traces
 from workbench.ui.dashboard.offload import offload_layout, offload_traces
+from workbench.ui.dashboard.style import (
+    BYTES_AXIS,
+    SECONDS_AXIS,
+    colour,
+    sizes,
+    themed,
+)
 from workbench.ui.dashboard.timeline import stage_axes, stage_title, stage_traces
 
 TIERS = (("device", "device_allocated"), ("host", "host_rss"), ("disk", "disk_spill"))
 PARTS = ("compute", "comm", "waiting")
-TITLES = ("memory per tier (bytes, now)", "step time (s, cumulative)",
-          "communication per axis (bytes, all ranks; p2p: sent)",
+TITLES = ("memory per tier (now)", "step time (s, cumulative)",
+          "communication per axis (all ranks; p2p: sent)",
           "throughput (tokens/s, recent steps)")
 
 TraceSpec = tuple[str, int, int, dict[str, Any]]  # (kind, row, col, properties)
@@ -71,22 +80,37 @@ def trace_specs(history: RunHistory) -> dict[str, TraceSpec]:
     specs: dict[str, TraceSpec] = {}
     for tier, key in TIERS:
         y = [s.get("memory", {}).get(key, 0) for s in latest]
-        specs[f"memory: {tier}"] = ("bar", 1, 1, {"x": labels, "y": y})
+        specs[f"memory: {tier}"] = ("bar", 1, 1, {
+            "x": labels, "y": y, "customdata": sizes(y), "marker": {"color": colour(tier)},
+            "hovertemplate": f"%{{x}}: %{{y:,}} B (%{{customdata}}) on {tier}<extra></extra>"})
     for part in PARTS:
         y = [s.get("seconds", {}).get(part, 0.0) for s in latest]
-        specs[f"time: {part}"] = ("bar", 1, 2, {"x": labels, "y": y})
+        specs[f"time: {part}"] = ("bar", 1, 2, {
+            "x": labels, "y": y, "marker": {"color": colour(part)},
+            "hovertemplate": f"%{{x}}: %{{y:.3f}} s {part}<extra></extra>"})
     t = history.times()
     for axis in history.axes():
-        specs[f"comm: {axis}"] = ("line", 2, 1, {"x": t, "y": history.comm_bytes(axis)})
+        y = history.comm_bytes(axis)
+        specs[f"comm: {axis}"] = ("line", 2, 1, {
+            "x": t, "y": y, "customdata": sizes(y), "line": {"color": colour(f"comm: {axis}")},
+            "hovertemplate": f"{axis}: %{{y:,}} B (%{{customdata}}) at %{{x:.1f}} s"
+                             "<extra></extra>"})
     for axis in history.axes("p2p_by_axis"):
-        specs[f"p2p: {axis}"] = ("line", 2, 1, {"x": t, "y": history.p2p_bytes(axis),
-                                                "line": {"dash": "dot"}})
+        y = history.p2p_bytes(axis)
+        specs[f"p2p: {axis}"] = ("line", 2, 1, {
+            "x": t, "y": y, "customdata": sizes(y),
+            "line": {"dash": "dot", "color": colour(f"comm: {axis}")},
+            "hovertemplate": f"{axis} p2p sent: %{{y:,}} B (%{{customdata}}) at %{{x:.1f}} s"
+                             "<extra></extra>"})
     for r in history.ranks:
         samples = history.rank_series(r, "samples_per_s")
         flops = history.rank_series(r, "flops_per_s")
         hover = [f"{s:,.1f} samples/s, {f / 1e9:,.2f} GFLOP/s" for s, f in zip(samples, flops)]
         specs[f"tokens/s: rank {r}"] = ("line", 2, 2, {
-            "x": t, "y": history.rank_series(r, "tokens_per_s"), "hovertext": hover})
+            "x": t, "y": history.rank_series(r, "tokens_per_s"), "customdata": hover,
+            "line": {"color": colour(r)}, "marker": {"color": colour(r)},
+            "hovertemplate": f"rank {r}: %{{y:,.1f}} tokens/s at %{{x:.1f}} s<br>"
+                             "%{customdata}<extra></extra>"})
     return specs
 
 
@@ -105,7 +129,11 @@ def build_figure(history: RunHistory, widget: bool = True) -> go.Figure:
         fig.add_trace(_trace(name, kind, props), row=row, col=col)
     fig.update_layout(barmode="stack", height=620, margin={"t": 70, "b": 40},
                       title=history.label or "colossal run", legend={"font": {"size": 10}})
-    fig.update_yaxes(tickformat="~s")
+    themed(fig)
+    fig.update_yaxes(BYTES_AXIS, row=1, col=1)
+    fig.update_yaxes(BYTES_AXIS, row=2, col=1)
+    fig.update_yaxes(SECONDS_AXIS, row=1, col=2)
+    fig.update_yaxes(tickformat="~s", ticksuffix=" tok/s", row=2, col=2)
     fig.update_xaxes(title_text="s since the cell started", row=2)
     return go.FigureWidget(fig) if widget else fig
 
@@ -121,7 +149,7 @@ def update_figure(fig: go.Figure, history: RunHistory) -> None:
     with fig.batch_update():
         for trace in fig.data:
             if trace.name in specs:
-                trace.update(specs[trace.name][3])
+                _update_trace(fig, trace, specs[trace.name][3])
 
 
 # ---- the stage timeline ------------------------------------------------------------------
@@ -136,8 +164,10 @@ def build_stage_figure(history: RunHistory, widget: bool = True) -> go.Figure | 
     """The stage timeline of ``history`` as its own figure; None if no pipeline ran."""
     if not history.pipelines():
         return None
-    fig = go.Figure(layout={**_stage_layout(history), "margin": {"t": 50, "b": 40, "l": 120},
-                            "legend": {"font": {"size": 10}, "orientation": "h", "y": -0.25}})
+    fig = themed(go.Figure(layout={**_stage_layout(history),
+                                   "margin": {"t": 50, "b": 40, "l": 120},
+                                   "legend": {"font": {"size": 10}, "orientation": "h",
+                                              "y": -0.25}}))
     for name, props in stage_traces(history.pipelines()).items():
         fig.add_trace(go.Bar(name=name, legendgroup="stage", **props))
     return go.FigureWidget(fig) if widget else fig
@@ -170,9 +200,10 @@ def _build_panel(history: Any, traces: Traces, layout: Layout, height: int,
     data = traces(history)
     if not data:
         return None
-    fig = go.Figure(layout={**layout(history), "height": height, "margin": {"t": top, "b": 40},
-                            "legend": {"font": {"size": 10}, "orientation": "h", "y": -0.2,
-                                       "traceorder": "normal"}})
+    fig = themed(go.Figure(layout={**layout(history), "height": height,
+                                   "margin": {"t": top, "b": 40},
+                                   "legend": {"font": {"size": 10}, "orientation": "h",
+                                              "y": -0.2, "traceorder": "normal"}}))
     for name, props in data.items():
         fig.add_trace({**props, "name": name})
     return go.FigureWidget(fig) if widget else fig
@@ -190,8 +221,35 @@ def _update_panel(fig: go.Figure, history: Any, traces: Traces,
         for trace in fig.data:
             props = dict(data.get(trace.name, {"x": [], "y": []}))
             props.pop("type", None)
-            trace.update(props)
-        fig.update_layout(layout(history))
+            _update_trace(fig, trace, props)
+        _update_layout(fig, layout(history))
+
+
+# A redraw runs in the kernel while the ranks train, on the same cores; plotly validates every
+# property it is given (about 20 ms for the curves panel's layout alone), so only what changed
+# since the last update is handed over. What was last applied is kept on the figure.
+def _applied(fig: go.Figure) -> dict[Any, dict[str, Any]]:
+    if not hasattr(fig, "_wb_applied"):
+        fig._wb_applied = {}
+    return fig._wb_applied
+
+
+def _update_trace(fig: go.Figure, trace: Any, props: dict[str, Any]) -> None:
+    """``trace.update(props)`` with only the properties that differ from the last update."""
+    last = _applied(fig).setdefault(("trace", trace.name), {})
+    changed = {k: v for k, v in props.items() if k not in last or last[k] != v}
+    if changed:
+        trace.update(changed)
+        last.update(changed)
+
+
+def _update_layout(fig: go.Figure, layout: dict[str, Any]) -> None:
+    """``fig.update_layout(layout)`` with only the top-level entries that changed."""
+    last = _applied(fig).setdefault("layout", {})
+    changed = {k: v for k, v in layout.items() if k not in last or last[k] != v}
+    if changed:
+        fig.update_layout(changed)
+        last.update(changed)
 
 
 def build_offload_figure(history: RunHistory, widget: bool = True) -> go.Figure | None:

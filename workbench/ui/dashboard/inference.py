@@ -36,10 +36,12 @@ from __future__ import annotations
 from typing import Any
 
 from workbench.ui.dashboard.history import RunHistory
+from workbench.ui.dashboard.style import NEUTRAL_TEXT, colour
 
 TITLE = "inference engine"
 TOKENS, QUEUE, KV = "generated tokens/s: ", "queue: ", "KV blocks: "  # trace name prefixes
-QUEUES = (("running", "#4c78a8"), ("waiting", "#f58518"), ("swapped", "#b279a2"))
+QUEUES = (("running", colour("device")), ("waiting", colour("host")),
+          ("swapped", colour("disk")))
 BLOCKS = (("used (unshared)", "#4c78a8"), ("shared", "#54a24b"), ("free", "#d8d8d8"))
 
 
@@ -122,18 +124,19 @@ def inference_traces(history: RunHistory, last: int | None = None) -> dict[str, 
     total = [sum(ys) for ys in zip(*tokens.values())][start:]
     traces[f"{TOKENS}all replicas"] = {
         "type": "scatter", "mode": "lines+markers", "x": times, "y": total,
-        "xaxis": "x", "yaxis": "y", "line": {"color": "#222"},
+        "xaxis": "x", "yaxis": "y", "line": {"color": NEUTRAL_TEXT},
         "hovertemplate": "%{y:,.1f} generated tokens/s (all replicas)<extra></extra>"}
     if len(tokens) > 1:
         for label, y in tokens.items():
             traces[f"{TOKENS}{label}"] = {
                 "type": "scatter", "mode": "lines", "x": times, "y": y[start:],
-                "xaxis": "x", "yaxis": "y", "line": {"dash": "dot"},
+                "xaxis": "x", "yaxis": "y",
+                "line": {"dash": "dot", "color": colour(latest[label][0])},
                 "hovertemplate": f"{label}: %{{y:,.1f}} generated tokens/s<extra></extra>"}
-    for name, colour in QUEUES:
+    for name, hue in QUEUES:
         traces[f"{QUEUE}{name}"] = {
             "type": "scatter", "mode": "lines", "x": times, "y": queue[name][start:],
-            "xaxis": "x2", "yaxis": "y2", "line": {"color": colour, "shape": "hv"},
+            "xaxis": "x2", "yaxis": "y2", "line": {"color": hue, "shape": "hv"},
             "hovertemplate": f"%{{y}} requests {name} (all replicas)<extra></extra>"}
     traces.update(_kv_bars(latest))
     return traces

@@ -6,8 +6,10 @@ browser while the cell is still busy (kernel-to-browser messages are not held ba
 kernel; see NOTES.md). Modes: ``"auto"`` shows the figure once the cell has run for
 ``show_after_s`` and some rank has published telemetry (quick cells stay uncluttered), ``"on"``
 shows it from the start, ``"off"`` never shows it. The history is kept in every mode, for
-``workbench.show_dashboard()`` after the run. When a cell that trained ends, its run is kept
-(``runs.py``: in the session's runs and as a run directory with TensorBoard events).
+``workbench.show_dashboard()`` after the run. Redraws are rate-limited by their own cost
+(``DRAW_SHARE``), since they compete with the ranks for the cores. When a cell that trained
+ends, its run is kept (``runs.py``: in the session's runs and as a run directory with
+TensorBoard events).
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ from workbench.ui.dashboard.runs import KeptRun, keep_run
 from workbench.ui.dashboard.view import Dashboard
 
 MODES = ("auto", "on", "off")
+# Redrawing runs in the kernel, on the cores the ranks train on, and ranks that step together
+# all wait for the one whose core it takes: the figure is redrawn at most every MIN_REDRAW_S,
+# and after a redraw that took t seconds not before t / DRAW_SHARE (drawing takes at most ~2%
+# of the time), but at least every MAX_REDRAW_S while data changes. Data is ingested at every
+# poll whatever the redraw rate, so no point of a curve is lost.
+MIN_REDRAW_S, MAX_REDRAW_S, DRAW_SHARE = 0.25, 1.0, 0.02
 
 
 class LiveDashboard:
@@ -38,6 +46,9 @@ class LiveDashboard:
         self.kept: KeptRun | None = None  # the run kept when the cell ended, if it trained
         self.view: Dashboard | None = None
         self.refreshes = 0  # figure updates sent after it was shown
+        self._clock = clock
+        self._due = float("-inf")  # clock time from which the next redraw may run
+        self._stale = False  # data ingested since the last redraw that it does not show
         self._display = display
 
     def start(self) -> None:
@@ -57,8 +68,15 @@ class LiveDashboard:
             # interrupted) must return at once; workbench.show_dashboard() shows it afterwards.
             if not final and self.history.has_data and self.history.elapsed >= self.show_after_s:
                 self._show()
-        elif changed:
+        elif changed or self._stale:
+            now = self._clock()
+            if not (final or now >= self._due):
+                self._stale = True  # drawn at the next due poll, or when the cell ends
+                return
             self.view.refresh()
+            took = self._clock() - now
+            self._stale = False
+            self._due = now + min(MAX_REDRAW_S, max(MIN_REDRAW_S, took / DRAW_SHARE))
             self.refreshes += 1
 
     def _show(self) -> None:

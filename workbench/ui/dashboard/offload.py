@@ -30,20 +30,13 @@ from __future__ import annotations
 from typing import Any
 
 from workbench.ui.dashboard.history import RunHistory
+from workbench.ui.dashboard.style import BYTES_AXIS, NEUTRAL_TEXT, colour, size, sizes
 
-TIERS = (("device", "#4c78a8"), ("host", "#f58518"), ("disk", "#b279a2"))
+TIERS = tuple((tier, colour(tier)) for tier in ("device", "host", "disk"))
 STATE, MOVED, EVICTIONS = "model state: ", "moved: ", "evictions"  # every trace's name prefix
 TITLE = "model state per tier"
 PAIR_ORDER = ("device->host", "host->device", "host->disk", "disk->host", "device->disk",
               "disk->device")
-
-
-def size(nbytes: float) -> str:
-    """Bytes for a reader: 1.2 MiB, 274.0 KiB, 12 B."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 def _pairs(names: set[str]) -> list[str]:
@@ -95,12 +88,14 @@ def offload_traces(history: RunHistory, last: int | None = None) -> dict[str, di
         return {}
     labels = [f"rank {r}" for r in blocks]
     traces: dict[str, dict[str, Any]] = {}
-    for tier, colour in TIERS:
+    for tier, hue in TIERS:
         y = [int(b.get("tiers", {}).get(tier, 0)) for b in blocks.values()]
         traces[f"{STATE}{tier}"] = {
             "type": "bar", "x": labels, "y": y, "xaxis": "x", "yaxis": "y",
-            "marker": {"color": colour},
-            "hovertemplate": f"%{{x}}: %{{y:,}} bytes of model state on {tier}<extra></extra>"}
+            "marker": {"color": hue},
+            "customdata": sizes(y),
+            "hovertemplate": f"%{{x}}: %{{y:,}} B (%{{customdata}}) of model state on {tier}"
+                             "<extra></extra>"}
     times, moved, evictions, waited = per_step(history)
     start = -last if last else 0
     times, evictions, waited = times[start:], evictions[start:], waited[start:]
@@ -108,11 +103,13 @@ def offload_traces(history: RunHistory, last: int | None = None) -> dict[str, di
         traces[f"{MOVED}{pair}"] = {
             "type": "scatter", "mode": "lines+markers", "x": times, "y": y[start:],
             "xaxis": "x2", "yaxis": "y2",
-            "hovertemplate": f"{pair}: %{{y:,.0f}} bytes per step (all ranks)<extra></extra>"}
+            "customdata": sizes(y[start:]),
+            "hovertemplate": f"{pair}: %{{y:,.0f}} B (%{{customdata}}) per step (all ranks)"
+                             "<extra></extra>"}
     if times:
         traces[EVICTIONS] = {
             "type": "scatter", "mode": "lines", "x": times, "y": evictions, "customdata": waited,
-            "xaxis": "x2", "yaxis": "y3", "line": {"dash": "dot", "color": "#444"},
+            "xaxis": "x2", "yaxis": "y3", "line": {"dash": "dot", "color": NEUTRAL_TEXT},
             "hovertemplate": "%{y:,.1f} evictions per step, %{customdata:.4f} s waited on "
                              "movement per step (all ranks)<extra></extra>"}
     return traces
@@ -138,12 +135,11 @@ def offload_layout(history: RunHistory) -> dict[str, Any]:
         "title": {"text": offload_title(history), "font": {"size": 14}},
         "barmode": "stack",
         "xaxis": {"domain": [0.0, 0.28], "anchor": "y"},
-        "yaxis": {"anchor": "x", "tickformat": "~s",
-                  "title": {"text": "model-state bytes (now)"}},
+        "yaxis": {"anchor": "x", **BYTES_AXIS, "title": {"text": "model state (now)"}},
         "xaxis2": {"domain": [0.4, 0.92], "anchor": "y2",
                    "title": {"text": "s since the cell started"}},
-        "yaxis2": {"anchor": "x2", "tickformat": "~s", "rangemode": "tozero",
-                   "title": {"text": "bytes moved per step"}},
+        "yaxis2": {"anchor": "x2", **BYTES_AXIS, "rangemode": "tozero",
+                   "title": {"text": "moved per step"}},
         "yaxis3": {"anchor": "x2", "overlaying": "y2", "side": "right", "showgrid": False,
                    "rangemode": "tozero", "tickmode": "auto",  # not synced to y2's odd ticks
                    "title": {"text": "evictions per step"}},

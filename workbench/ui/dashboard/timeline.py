@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
-KINDS = (("F", "forward", "#4c78a8"), ("B", "backward", "#f58518"),
-         ("W", "weight grads", "#54a24b"))
-IDLE_NAME, IDLE_COLOUR = "stage: idle (waiting on a receive)", "#c9c9c9"
+from workbench.ui.dashboard.style import colour
+
+KINDS = tuple((kind, what, colour(kind))
+              for kind, what in (("F", "forward"), ("B", "backward"), ("W", "weight grads")))
+IDLE_NAME, IDLE_COLOUR = "stage: idle (waiting on a receive)", colour("idle")
 PREFIX = "stage: "  # every trace of the panel is named "stage: ..."
 
 

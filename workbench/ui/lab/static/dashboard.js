@@ -21,6 +21,93 @@
   const plotConfig = { displaylogo: false, responsive: true };
   document.getElementById('pool-id').textContent = cfg.poolId;
 
+  // One look with the notebook's figures (workbench/ui/dashboard/style.py, whose tables these
+  // are; tests/workbench/ui/test_dashboard_theme.py checks they agree): a colour per rank, a
+  // colour per named series, units on axes and hovers.
+  const RANK_COLOURS = ['#54a24b', '#e45756', '#72b7b2', '#eeca3b', '#ff9da6', '#9d755d',
+    '#4c78a8', '#f58518', '#b279a2', '#bab0ac'];
+  const NAMED = {
+    device: '#4c78a8', host: '#f58518', disk: '#b279a2',
+    compute: '#4c78a8', comm: '#f58518', waiting: '#bab0ac'
+  };
+  const BYTES_AXIS = { tickformat: '~s', ticksuffix: 'B' };
+
+  function nameHash(name) {
+    let h = 0;
+    for (let i = 0; i < name.length; i++) { h = (h * 31 + name.charCodeAt(i)) % 4294967296; }
+    return h;
+  }
+
+  function colour(key) {
+    if (typeof key === 'number') { return RANK_COLOURS[key % RANK_COLOURS.length]; }
+    const m = /^(rank|run) (\d+)$/.exec(key);
+    if (m) {
+      const n = Number(m[2]) - (m[1] === 'run' ? 1 : 0);
+      return RANK_COLOURS[Math.max(n, 0) % RANK_COLOURS.length];
+    }
+    return NAMED[key] || RANK_COLOURS[nameHash(key) % RANK_COLOURS.length];
+  }
+
+  function size(n) {
+    const units = [['GiB', 1073741824], ['MiB', 1048576], ['KiB', 1024]];
+    for (const [unit, scale] of units) {
+      if (Math.abs(n) >= scale) { return (n / scale).toFixed(1) + ' ' + unit; }
+    }
+    return String(Math.round(n || 0)) + ' B';
+  }
+
+  // The theme: the lab's, from the link the sidebar opened (?theme=dark) and then from the
+  // lab's theme setting (polled, so a switch in the lab restyles this page too). The page's
+  // CSS variables hold the colours; every layout takes them through themed().
+  let theme = new URLSearchParams(window.location.search).get('theme') === 'dark'
+    ? 'dark' : 'light';
+  const themeUrl = cfg.baseUrl + 'lab/api/settings/@jupyterlab/apputils-extension:themes';
+
+  function applyTheme(next) {
+    theme = next;
+    document.documentElement.dataset.theme = theme;
+  }
+  applyTheme(theme);
+
+  async function followLabTheme() {
+    try {
+      const response = await fetch(themeUrl, { credentials: 'same-origin' });
+      if (response.ok) {
+        const chosen = ((await response.json()).settings || {}).theme;
+        const next = typeof chosen === 'string' && /dark/i.test(chosen) ? 'dark'
+          : (typeof chosen === 'string' ? 'light' : theme);
+        if (next !== theme) {
+          applyTheme(next);
+          if (lastDoc) { render(lastDoc); }
+        }
+      }
+    } catch (err) {
+      // the lab's settings are out of reach: keep the link's theme
+    }
+    setTimeout(followLabTheme, 1000);
+  }
+
+  function themed(lay) {
+    const css = getComputedStyle(document.documentElement);
+    const fg = css.getPropertyValue('--fg').trim();
+    const grid = css.getPropertyValue('--grid').trim();
+    const axis = { gridcolor: grid, zerolinecolor: grid, linecolor: grid };
+    const out = Object.assign({}, lay, {
+      paper_bgcolor: 'rgba(0,0,0,0)', plot_bgcolor: 'rgba(0,0,0,0)',
+      font: Object.assign({}, lay.font, { color: fg }), colorway: RANK_COLOURS,
+      meta: { workbench: 'themed', theme: theme }
+    });
+    out.xaxis = out.xaxis || {};
+    out.yaxis = out.yaxis || {};
+    Object.keys(out).filter(k => /^[xy]axis\d*$/.test(k))
+      .forEach(k => { out[k] = Object.assign({}, out[k], axis); });
+    return out;
+  }
+
+  function react(id, traces, lay) {
+    Plotly.react(id, traces, themed(lay), plotConfig);
+  }
+
   function layout(title, ytitle, extra) {
     return Object.assign({
       title: { text: title, font: { size: 14 } },
@@ -35,7 +122,10 @@
     return doc.state;
   }
 
+  let lastDoc = null;
+
   function render(doc) {
+    lastDoc = doc;
     const cell = doc.cell;
     const series = cell ? cell.series
       : { t: [], tokens_per_s: {}, comm_bytes: {}, p2p_bytes: {} };
@@ -48,33 +138,45 @@
       const row = doc.ranks.find(x => x.rank === r);
       return (live && live.memory) || (row && row.memory) || { device: 0, host: 0, disk: 0 };
     };
-    const tiers = ['device', 'host', 'disk'].map(tier => ({
-      type: 'bar', name: tier, x: names, y: ranks.map(r => memOf(r)[tier])
-    }));
-    Plotly.react('memory', tiers, layout('memory per tier', 'bytes', { barmode: 'group' }),
-      plotConfig);
+    const tiers = ['device', 'host', 'disk'].map(tier => {
+      const y = ranks.map(r => memOf(r)[tier]);
+      return {
+        type: 'bar', name: tier, x: names, y: y, customdata: y.map(size),
+        marker: { color: colour(tier) },
+        hovertemplate: '%{x}: %{y:,} B (%{customdata}) on ' + tier + '<extra></extra>'
+      };
+    });
+    react('memory', tiers, layout('memory per tier', 'bytes',
+      { barmode: 'group', yaxis: Object.assign({ title: { text: 'bytes' } }, BYTES_AXIS) }));
     const parts = ['compute', 'comm', 'waiting'].map(part => ({
-      type: 'bar', name: part, x: names,
-      y: ranks.map(r => ((latest[String(r)] || {}).seconds || {})[part] || 0)
+      type: 'bar', name: part, x: names, marker: { color: colour(part) },
+      y: ranks.map(r => ((latest[String(r)] || {}).seconds || {})[part] || 0),
+      hovertemplate: '%{x}: %{y:.3f} s ' + part + '<extra></extra>'
     }));
-    Plotly.react('split', parts, layout('step time split (cumulative)', 'seconds',
-      { barmode: 'stack' }), plotConfig);
+    react('split', parts, layout('step time split (cumulative)', 'seconds',
+      { barmode: 'stack', yaxis: { title: { text: 'seconds' }, ticksuffix: ' s' } }));
     const tokens = Object.keys(series.tokens_per_s).map(r => ({
       type: 'scatter', mode: 'lines+markers', name: 'rank ' + r, x: series.t,
-      y: series.tokens_per_s[r]
+      y: series.tokens_per_s[r], line: { color: colour(Number(r)) },
+      marker: { color: colour(Number(r)) },
+      hovertemplate: 'rank ' + r + ': %{y:,.1f} tokens/s at %{x:.1f} s<extra></extra>'
     }));
-    Plotly.react('tokens', tokens, layout('tokens/s per rank', 'tokens/s',
-      { xaxis: { title: { text: 'seconds into the cell' } } }), plotConfig);
+    react('tokens', tokens, layout('tokens/s per rank', 'tokens/s',
+      { xaxis: { title: { text: 'seconds into the cell' }, ticksuffix: ' s' } }));
     const comm = Object.keys(series.comm_bytes).map(axis => ({
-      type: 'scatter', mode: 'lines', name: axis, x: series.t, y: series.comm_bytes[axis]
+      type: 'scatter', mode: 'lines', name: axis, x: series.t, y: series.comm_bytes[axis],
+      line: { color: colour('comm: ' + axis) }, customdata: series.comm_bytes[axis].map(size),
+      hovertemplate: axis + ': %{y:,} B (%{customdata}) at %{x:.1f} s<extra></extra>'
     }));
     const p2p = series.p2p_bytes || {};
     Object.keys(p2p).forEach(axis => comm.push({
       type: 'scatter', mode: 'lines', name: axis + ' p2p (sent)', x: series.t, y: p2p[axis],
-      line: { dash: 'dot' }
+      line: { dash: 'dot', color: colour('comm: ' + axis) }, customdata: p2p[axis].map(size),
+      hovertemplate: axis + ' p2p sent: %{y:,} B (%{customdata}) at %{x:.1f} s<extra></extra>'
     }));
-    Plotly.react('comm', comm, layout('bytes communicated per axis', 'bytes',
-      { xaxis: { title: { text: 'seconds into the cell' } } }), plotConfig);
+    react('comm', comm, layout('bytes communicated per axis', 'bytes',
+      { xaxis: { title: { text: 'seconds into the cell' }, ticksuffix: ' s' },
+        yaxis: Object.assign({ title: { text: 'bytes' } }, BYTES_AXIS) }));
     lastCurves = cell ? cell.curves : null;
     renderCurves();
     renderStages(cell ? cell.stages : null);
@@ -135,10 +237,10 @@
     const el = document.getElementById('stages');
     el.hidden = !stages;
     if (!stages) { return; }
-    Plotly.react('stages', stages.traces, layout(stages.title, '', {
+    react('stages', stages.traces, layout(stages.title, '', {
       barmode: 'overlay', xaxis: stages.xaxis, yaxis: stages.yaxis,
       margin: { l: 110, r: 20, t: 40, b: 70 }, legend: { orientation: 'h', y: -0.25 }
-    }), plotConfig);
+    }));
   }
 
   // A panel whose layout carries its plots' axes (domains): the offload panel (model state per
@@ -148,10 +250,10 @@
     const el = document.getElementById(id);
     el.hidden = !panel;
     if (!panel) { return; }
-    Plotly.react(id, panel.traces, Object.assign(layout(panel.title, ''), panel.layout, {
+    react(id, panel.traces, Object.assign(layout(panel.title, ''), panel.layout, {
       margin: { l: 60, r: 60, t: panel.title.includes('<br>') ? 60 : 40, b: 70 },
       legend: { orientation: 'h', y: -0.2, traceorder: 'normal' }
-    }), plotConfig);
+    }));
   }
 
   // The endpoint's line (address, state, requests/s, in flight, queue, KV) and its panel;
@@ -185,4 +287,5 @@
     setTimeout(tick, delay);
   }
   tick();
+  followLabTheme();
 })();
