@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 EXTENSION := $(wildcard extension/src/*.ts extension/style/*) extension/package.json \
 	extension/yarn.lock extension/tsconfig.json
 
-.PHONY: demo test test-fast test-full test-bench test-install test-hub test-report lint bench lab clean docs
+.PHONY: demo test test-fast test-full test-bench test-browser test-daemons test-install test-hub test-report lint bench lab clean docs
 .PHONY: test-image
 
 # The install builds the JupyterLab extension (extension/ -> workbench/ui/lab/labextension, by the
@@ -57,13 +57,13 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	@mkdir -p $(RESULTS)
 	WORKBENCH_TEST_TIER=test $(PYTEST) --junitxml=$(RESULTS)/test.xml \
-		-m "not full and not install and not bench" | tee $(RESULTS)/test.log | $(QUIET); \
+		-m "not full and not install and not bench and not browser" | tee $(RESULTS)/test.log | $(QUIET); \
 		status=$$?; $(REPORT) test; exit $$status
 
 test-full: $(STAMP)
 	@mkdir -p $(RESULTS)
 	WORKBENCH_TEST_TIER=full $(PYTEST) --junitxml=$(RESULTS)/full.xml \
-		-m "full and not install and not bench" | tee $(RESULTS)/full.log | $(QUIET); \
+		-m "full and not install and not bench and not daemons" | tee $(RESULTS)/full.log | $(QUIET); \
 		status=$$?; $(REPORT) full; exit $$status
 
 test-bench: $(STAMP)
@@ -71,6 +71,22 @@ test-bench: $(STAMP)
 	WORKBENCH_TEST_TIER=full $(PYTEST) --junitxml=$(RESULTS)/bench.xml \
 		-m "bench and not install" | tee $(RESULTS)/bench.log | $(QUIET); \
 		status=$$?; $(REPORT) bench; exit $$status
+
+# Two more tiers hold what needs a whole browser or whole daemons, so the user-facing tiers keep
+# their budgets while .ci/run still runs everything: test-browser (a real JupyterLab driven by
+# Chromium: the quickstart with its live plots, the tuner, themes, every dashboard panel) and
+# test-daemons (pools under real Slurm, MPI and SSH daemons over network-namespace hosts).
+test-browser: $(STAMP)
+	@mkdir -p $(RESULTS)
+	WORKBENCH_TEST_TIER=test $(PYTEST) --junitxml=$(RESULTS)/browser.xml \
+		-m "browser and not install" | tee $(RESULTS)/browser.log | $(QUIET); \
+		status=$$?; $(REPORT) browser; exit $$status
+
+test-daemons: $(STAMP)
+	@mkdir -p $(RESULTS)
+	WORKBENCH_TEST_TIER=full $(PYTEST) --junitxml=$(RESULTS)/daemons.xml \
+		-m "daemons and not install" | tee $(RESULTS)/daemons.log | $(QUIET); \
+		status=$$?; $(REPORT) daemons; exit $$status
 
 test-install: $(STAMP)
 	@mkdir -p $(RESULTS)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "tests"
-TIERS = ("fast", "test", "full", "bench", "install", "hub")
+TIERS = ("fast", "test", "full", "bench", "browser", "daemons", "install", "hub", "image")
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from helpers.browser import (
     run_all_cells,
 )
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.browser]  # make test-browser
 
 # Points drawn in a plotly figure: M/L commands of line traces plus marker paths.
 POINTS_JS = """function points(el) {

@@ -48,7 +48,7 @@ from helpers.browser import (
     write_notebook,
 )
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.browser]  # make test-browser
 
 PIPELINE_CELL = """%%colossal --plan "pp=2 mb=4" --dashboard
 import time

@@ -27,7 +27,7 @@ from helpers.multinode import DP_CELL, assert_same_losses, reference_losses
 from helpers.prereq import require
 from helpers.slurm_cluster import SlurmCluster, SlurmNode
 
-pytestmark = [pytest.mark.engines, pytest.mark.full]  # real daemons: make test-full
+pytestmark = [pytest.mark.engines, pytest.mark.full, pytest.mark.daemons]  # make test-daemons
 
 
 @pytest.fixture(scope="module")
