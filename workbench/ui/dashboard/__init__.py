@@ -4,7 +4,11 @@ an inference engine's generated tokens/s, queue and KV blocks; and a training ce
 (loss and eval loss, LR, grad norm per step, ``curves.py``).
 
 A cell that trains is kept as a run (``runs.py``: a run directory with TensorBoard events
-under ``runs/``), and ``workbench.compare`` (``compare.py``) overlays kept runs.
+under ``runs/``, and MLflow metrics when asked, ``mlflow_log.py``), ``workbench.compare``
+(``compare.py``) overlays kept runs, and a run offers comparing itself with the session's
+previous one (``previous.py``: a button under the notebook's figure, a panel on the lab page).
+Every figure is drawn theme-neutral with one colour per rank and units on every axis
+(``style.py``); the lab's extension restyles it for the lab's light or dark theme.
 
 ``%%colossal`` feeds a ``LiveDashboard`` from its waiting loop; ``workbench.show_dashboard()``
 shows the last run afterwards and ``.to_html(path)`` writes a standalone report. plotly is

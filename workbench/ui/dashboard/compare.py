@@ -143,7 +143,7 @@ def compare(*runs: Any, smoothing: float = DEFAULT_SMOOTHING) -> Any:
                                            "<extra></extra>"), row=1, col=3)
     themed(fig)
     fig.update_yaxes(type="log", row=1, col=1)
-    fig.update_yaxes(tickformat="~s", ticksuffix=" tok/s", row=1, col=2)
+    fig.update_yaxes(tickformat="~s", ticksuffix=" tok/s", rangemode="nonnegative", row=1, col=2)
     fig.update_yaxes(BYTES_AXIS, row=1, col=3)
     fig.update_xaxes(title_text="training step", row=1, col=1)
     fig.update_xaxes(showticklabels=False, row=1, col=2)

@@ -183,7 +183,10 @@ def curve_layout(logs: dict[int, CurveLog], smoothing: float = DEFAULT_SMOOTHING
         "xaxis": {"domain": [0.0, 0.42], "anchor": "y", "title": step},
         "yaxis": {"anchor": "x", "type": "log", "title": {"text": "loss (log)"}},
         "xaxis2": {"domain": [0.52, 0.74 if norms else 1.0], "anchor": "y2", "title": step},
-        "yaxis2": {"anchor": "x2", "tickformat": ".3~g", "title": {"text": "learning rate"}},
+        # from 0: plotly pads a constant series to [v - 1, v + 1], so a fixed lr of 1e-2 was
+        # drawn as a flat line at "0" on a -1..1 axis (seen on the lab page, issue 33)
+        "yaxis2": {"anchor": "x2", "tickformat": ".3~g", "rangemode": "tozero",
+                   "title": {"text": "learning rate"}},
         "xaxis3": {"domain": [0.82, 1.0], "anchor": "y3", "title": step, "visible": norms},
         "yaxis3": {"anchor": "x3", "rangemode": "tozero", "visible": norms,
                    "title": {"text": "grad norm (set max_grad_norm to measure it)"

@@ -9,7 +9,8 @@ shows it from the start, ``"off"`` never shows it. The history is kept in every 
 ``workbench.show_dashboard()`` after the run. Redraws are rate-limited by their own cost
 (``DRAW_SHARE``), since they compete with the ranks for the cores. When a cell that trained
 ends, its run is kept (``runs.py``: in the session's runs and as a run directory with
-TensorBoard events).
+TensorBoard events) and, if an earlier cell's run was kept too, a button under the figure
+offers "compare with the previous run" (``previous.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from workbench.ui.dashboard.history import RunHistory
+from workbench.ui.dashboard.previous import CompareButton, previous_run
 from workbench.ui.dashboard.runs import KeptRun, keep_run
 from workbench.ui.dashboard.view import Dashboard
 
@@ -44,6 +46,7 @@ class LiveDashboard:
         self.history = RunHistory(ranks, label=label, plan=plan, clock=clock)
         self.runs_dir = runs_dir  # None: $WORKBENCH_RUNS_DIR, else ./runs (``runs.py``)
         self.kept: KeptRun | None = None  # the run kept when the cell ended, if it trained
+        self.compare_button: CompareButton | None = None  # offered under the figure then
         self.view: Dashboard | None = None
         self.refreshes = 0  # figure updates sent after it was shown
         self._clock = clock
@@ -61,6 +64,7 @@ class LiveDashboard:
         if final and self.history.seconds is None:
             self.history.finish()
             self.kept = keep_run(self.history, self.runs_dir)
+            self._offer_compare()
         if self.mode == "off":
             return
         if self.view is None:
@@ -78,6 +82,18 @@ class LiveDashboard:
             self._stale = False
             self._due = now + min(MAX_REDRAW_S, max(MIN_REDRAW_S, took / DRAW_SHARE))
             self.refreshes += 1
+
+    def _offer_compare(self) -> None:
+        """Under a shown figure of a cell that trained, after another that did: the button
+        drawing ``compare(previous, this)`` (``previous.py``)."""
+        previous = previous_run(self.kept) if self.kept is not None else None
+        if self.view is None or previous is None:
+            return
+        self.compare_button = CompareButton(previous, self.kept)
+        show = self._display
+        if show is None:
+            from IPython.display import display as show
+        show(self.compare_button)
 
     def _show(self) -> None:
         self.view = Dashboard(self.history)

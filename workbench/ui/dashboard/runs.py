@@ -18,7 +18,9 @@ kernel. When a cell that ran ``train_step`` ends, ``keep_run`` writes ``<root>/<
 The root is ``root`` if given, else ``$WORKBENCH_RUNS_DIR``, else ``runs/`` under the
 notebook's working directory; ``WORKBENCH_RUNS_DIR=off`` keeps nothing. Every kept run of the
 session is also in ``SESSION_RUNS`` (newest last), which ``compare`` indexes. Writing never
-fails a cell: an error is logged and the run is still kept in the session.
+fails a cell: an error is logged and the run is still kept in the session. With
+``WORKBENCH_MLFLOW=1`` (or ``keep_run(mlflow=True)``) the same scalars also go to an MLflow run
+named like the directory (``mlflow_log.py``).
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workbench.ui.dashboard import mlflow_log
 from workbench.ui.dashboard.curves import drawn_logs
 from workbench.ui.dashboard.history import RunHistory
 
@@ -56,6 +60,7 @@ class KeptRun:
     path: Path | None
     figures: dict[str, Any] = field(default_factory=dict)  # tokens_per_s, peak_memory
     written: threading.Event = field(default_factory=threading.Event)
+    mlflow_run_id: str | None = None  # set once logged to MLflow (``mlflow_log.py``)
 
     def wait(self, timeout_s: float = 60.0) -> Path | None:
         """The run directory once its files are written (None: keeping is off or failed)."""
@@ -101,13 +106,23 @@ def trained(history: RunHistory) -> bool:
 
 
 def keep_run(history: RunHistory, root: str | os.PathLike[str] | None = None,
-             background: bool = True) -> KeptRun | None:
+             background: bool = True, mlflow: bool | None = None) -> KeptRun | None:
     """Keep a finished cell's run if it trained: in ``SESSION_RUNS`` and, unless keeping is
-    off, as a run directory; None if the cell did not train.
+    off, as a run directory; None if the cell did not train. ``mlflow`` (default:
+    ``$WORKBENCH_MLFLOW``) also logs it to MLflow (``mlflow_log.py``); asked for explicitly
+    without mlflow installed, that is an ImportError saying how to install it.
 
     The files are written in a background thread by default: the first write imports torch's
     TensorBoard writer into the notebook's process (seconds), which the cell should not wait
-    for; ``KeptRun.wait()`` waits for them."""
+    for; ``KeptRun.wait()`` waits for them (and for the MLflow run)."""
+
+    to_mlflow = mlflow_log.mlflow_wanted(mlflow)
+    missing = mlflow_log.mlflow_missing() if to_mlflow else None
+    if missing and mlflow:
+        raise ImportError(missing)
+    if missing:  # asked for by the environment: the run is still kept
+        log.warning("%s", missing)
+        to_mlflow = False
     if not trained(history):
         return None
     run = KeptRun(history.label, history.plan, history, None, figures_of(history))
@@ -120,6 +135,13 @@ def keep_run(history: RunHistory, root: str | os.PathLike[str] | None = None,
                 run.path = write_run(history, base, run.figures)
         except Exception as err:  # a full disk must not fail the cell
             log.warning("could not keep the run under %s: %s", base, err)
+        try:
+            if to_mlflow:
+                name = run.path.name if run.path is not None \
+                    else run_name(history.label, history.wall_started)
+                run.mlflow_run_id = mlflow_log.log_run(history, name, scalars(history))
+        except Exception as err:  # an unreachable tracking server must not fail the cell
+            log.warning("could not log the run to MLflow: %s", err)
         finally:
             run.written.set()
 
@@ -154,10 +176,21 @@ def write_run(history: RunHistory, root: Path, figures: dict[str, Any]) -> Path:
 
 
 def _write_scalars(writer: Any, history: RunHistory) -> None:
-    def scalar(tag: str, value: Any, step: int, walltime: float | None = None) -> None:
-        if value is not None:
-            writer.add_scalar(tag, value, step, walltime, new_style=True, double_precision=True)
+    for tag, value, step, walltime in scalars(history):
+        writer.add_scalar(tag, value, step, walltime, new_style=True, double_precision=True)
 
+
+Scalar = tuple[str, float, int, "float | None"]  # (tag, value, step, wall time or None)
+
+
+def scalars(history: RunHistory) -> Iterator[Scalar]:
+    """Every scalar a run directory gets (the module docstring lists them), in the order
+    written; the MLflow run (``mlflow_log.py``) logs the very same ones."""
+    return (row for row in _all_scalars(history) if row[1] is not None)
+
+
+def _all_scalars(history: RunHistory) -> Iterator[Scalar]:
+    """``scalars``, values not measured (None: no grad norm without clipping) included."""
     drawn = drawn_logs(history.curves)
     last = 0
     for rank, curves in drawn.items():
@@ -167,28 +200,30 @@ def _write_scalars(writer: Any, history: RunHistory) -> None:
             row = curves.train[step]
             skipped += 0 if row["stepped"] else 1
             for tag, key in CURVE_TAGS:
-                scalar(tag + suffix, row[key], step)
-            scalar("train/skipped_steps" + suffix, skipped, step)
+                yield (tag + suffix, row[key], step, None)
+            yield ("train/skipped_steps" + suffix, skipped, step, None)
             last = max(last, step)
         for (step, _), loss in sorted(curves.eval.items()):
-            scalar("eval/loss" + suffix, loss, step)
+            yield ("eval/loss" + suffix, loss, step, None)
     step_at = 0  # points are in time order; their training step never goes back
     for point in history.points:
         step_at = max([step_at, *(r.get("train_steps", 0) for r in point.ranks.values())])
         wall = history.wall_started + point.t
         for rank, summary in sorted(point.ranks.items()):
-            scalar(f"throughput/tokens_per_s/rank{rank}", summary["tokens_per_s"], step_at, wall)
+            yield (f"throughput/tokens_per_s/rank{rank}", summary["tokens_per_s"], step_at,
+                   wall)
         for axis in {a for r in point.ranks.values() for a in r["comm_bytes"]}:
-            scalar(f"comm/{axis}", sum(r["comm_bytes"].get(axis, 0)
+            yield (f"comm/{axis}", sum(r["comm_bytes"].get(axis, 0)
                                        for r in point.ranks.values()), step_at, wall)
         for axis in {a for r in point.ranks.values() for a in r["p2p_bytes"]}:
-            scalar(f"p2p/{axis}", sum(r["p2p_bytes"].get(axis, 0)
+            yield (f"p2p/{axis}", sum(r["p2p_bytes"].get(axis, 0)
                                       for r in point.ranks.values()), step_at, wall)
     last = max(last, step_at)
     for rank, snap in sorted(history.latest.items()):
         memory = snap.get("memory", {})
         for tier, now, peak in TIERS:
-            scalar(f"memory/{tier}/rank{rank}", memory.get(now, 0), last)
-            scalar(f"memory_peak/{tier}/rank{rank}", memory.get(peak, 0), last)
+            yield (f"memory/{tier}/rank{rank}", memory.get(now, 0), last, None)
+            yield (f"memory_peak/{tier}/rank{rank}", memory.get(peak, 0), last, None)
         for part in ("compute", "comm", "waiting"):
-            scalar(f"time/{part}/rank{rank}", snap.get("seconds", {}).get(part, 0.0), last)
+            yield (f"time/{part}/rank{rank}", snap.get("seconds", {}).get(part, 0.0),
+                   last, None)

@@ -15,7 +15,9 @@ moved between tiers per step) as plotly traces and layout when a model offloaded
 inference panel (generated tokens/s, the queue, KV blocks per replica) likewise when an engine
 generated, its curves panel (loss, eval loss, LR, grad norm per training step) when the
 cell trained, and its expert-load heatmap (tokens per expert per MoE layer of the last step,
-summed over ranks) when an expert-parallel model stepped. While ``%colossal serve`` serves
+summed over ranks) when an expert-parallel model stepped, and, once a cell that trained ends
+after an earlier one that did, ``compare(previous, this)`` as ready traces (the page's
+"compare with the previous run"). While ``%colossal serve`` serves
 (no cell runs; ``workbench.serving.display`` writes from a thread), the serving ranks'
 telemetry stands as the running cell ("serving ENGINE at URL") and an ``endpoint`` block holds
 the endpoint: its address, state or failure, requests/s, in flight, the engines' queue and KV
@@ -51,6 +53,7 @@ from workbench.ui.dashboard.expert_load import expert_load_layout, expert_load_t
 from workbench.ui.dashboard.history import RunHistory, collective_bytes
 from workbench.ui.dashboard.inference import inference_layout, inference_traces
 from workbench.ui.dashboard.offload import offload_layout, offload_traces
+from workbench.ui.dashboard.runs import trained
 from workbench.ui.dashboard.timeline import stage_axes, stage_title, stage_traces
 
 log = logging.getLogger("workbench.ui.lab.state")
@@ -174,6 +177,7 @@ class PoolStateFile:
             "endpoint": None,
         }
         self.history: RunHistory | None = None
+        self.previous_run: RunHistory | None = None  # the last cell that trained
         self.path: Path | None = None
         self._last_write = float("-inf")
         self._lock = threading.Lock()
@@ -225,6 +229,7 @@ class PoolStateFile:
             self.history.finish()
             self.doc["cell"] = _cell_block(self.history, running=False)
             self.doc["cell"]["failed"] = failed
+            self.doc["cell"]["compare"] = self._compare_with_previous(self.history)
         for row in self.doc["ranks"]:
             if row["state"] == "busy":
                 row["state"] = "idle"
@@ -256,6 +261,23 @@ class PoolStateFile:
                 if row["state"] != "dead":
                     row["state"] = "idle" if final else "busy"
         self.write(force=final)
+
+    def _compare_with_previous(self, history: RunHistory) -> dict[str, Any] | None:
+        """The page's "compare with the previous run" panel: ``compare(previous, this)`` of
+        this pool's last two cells that trained (``previous.py``); None before the second.
+        Built once, as the cell ends, so a training loop pays nothing for it."""
+        if not trained(history):
+            return None
+        previous, self.previous_run = self.previous_run, history
+        if previous is None:
+            return None
+        try:
+            from workbench.ui.dashboard.previous import compare_panel
+
+            return compare_panel(previous, history)
+        except Exception as err:  # a figure that cannot be built must not fail the cell
+            log.debug("pool state: no comparison with the previous run: %s", err)
+            return None
 
     # ---- files --------------------------------------------------------------------------
     def _due(self) -> bool:

@@ -10,7 +10,9 @@
 // pool's endpoint (its line, and its panel: requests/s, in flight, KV use; endpoint.py) stands
 // on top and the serving ranks' telemetry is the running cell. A cell that trains has the curves
 // panel on top (loss and eval loss on a log axis, LR, grad norm; curves.py), its smoothed
-// traces smoothed again here from their raw ones as the slider moves (TensorBoard's EMA).
+// traces smoothed again here from their raw ones as the slider moves (TensorBoard's EMA);
+// once it ends after an earlier cell that trained, a button under it draws the two runs
+// compared (workbench.compare's figure, from the file).
 // A cell whose expert-parallel MoE model steps has the expert-load heatmap under the four
 // charts (tokens per expert per layer of the last step, all ranks; expert_load.py).
 (function () {
@@ -179,6 +181,7 @@
         yaxis: Object.assign({ title: { text: 'bytes' } }, BYTES_AXIS) }));
     lastCurves = cell ? cell.curves : null;
     renderCurves();
+    renderCompare(cell ? cell.compare : null);
     renderStages(cell ? cell.stages : null);
     renderPanel('offload', cell ? cell.offload : null);
     renderPanel('inference', cell ? cell.inference : null);
@@ -232,6 +235,24 @@
     }));
   }
 
+  // "Compare with the previous run": once a cell that trained ends after another that did,
+  // the file holds compare(previous, this) as ready traces (workbench/ui/dashboard/previous.py,
+  // the notebook's workbench.compare figure); the button shows or hides it.
+  let showCompare = false;
+  const compareButton = document.getElementById('compare-button');
+  compareButton.addEventListener('click', () => {
+    showCompare = !showCompare;
+    if (lastDoc) { render(lastDoc); }
+  });
+
+  function renderCompare(panel) {
+    document.getElementById('compare-box').hidden = !panel;
+    if (!panel) { showCompare = false; }
+    compareButton.textContent = showCompare ? 'hide the comparison'
+      : 'compare with the previous run';
+    renderPanel('compare', showCompare ? panel : null, 70);  // title above subplot titles
+  }
+
   // The pipeline stage timeline: one row per pipeline rank; hidden when no pipeline ran.
   function renderStages(stages) {
     const el = document.getElementById('stages');
@@ -246,12 +267,12 @@
   // A panel whose layout carries its plots' axes (domains): the offload panel (model state per
   // tier per rank, moved bytes and evictions per step) and the inference panel (tokens/s and
   // the queue over time, KV blocks per replica); hidden when the cell has no data for it.
-  function renderPanel(id, panel) {
+  function renderPanel(id, panel, top) {
     const el = document.getElementById(id);
     el.hidden = !panel;
     if (!panel) { return; }
     react(id, panel.traces, Object.assign(layout(panel.title, ''), panel.layout, {
-      margin: { l: 60, r: 60, t: panel.title.includes('<br>') ? 60 : 40, b: 70 },
+      margin: { l: 60, r: 60, t: top || (panel.title.includes('<br>') ? 60 : 40), b: 70 },
       legend: { orientation: 'h', y: -0.2, traceorder: 'normal' }
     }));
   }
