@@ -22,6 +22,7 @@ from kernels_runtime.byte_sizes import format_bytes
 from kernels_runtime.comm.accelerator import Accelerator
 from kernels_runtime.memory.chunk_sync import ChunkGradSync
 from kernels_runtime.memory.disk import DiskStore
+from kernels_runtime.memory.expert_chunks import ExpertChunkSync
 from kernels_runtime.memory.host_malloc import return_freed_memory
 from kernels_runtime.memory.spill import SpillDir, spill_root
 from kernels_runtime.memory.tiers import TierStore
@@ -33,6 +34,10 @@ def check(state: ParallelState, model: nn.Module) -> str | None:
     the plan before anything changed. Without an optimizer (``parallelize_model``: evaluation,
     inference) the chunks hold the weights alone."""
     plan = state.ctx.plan
+    if plan.offload != "none" and plan.ep > 1 and state.optimizer is None:
+        return (f"ep={plan.ep} with offload={plan.offload} is available for training only "
+                "(parallelize with an optimizer); for evaluation or inference use "
+                f"'ep={plan.ep}' without offload")
     if plan.offload != "none" and _may_spill(plan):
         try:
             _rank_folder(state.spill_dir, state.ctx.rank)
@@ -49,22 +54,27 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     return_freed_memory()  # chunk-sized buffers come and go all step (host_malloc.py)
     accelerator = Accelerator.for_backend(dist.get_backend())
     folder = _model_folder(state.spill_dir, ctx.rank) if _may_spill(plan) else None
-    store = TierStore(accelerator, disk=(lambda: DiskStore(folder)) if folder else None,
-                      waiting=ctx.telemetry.waiting)
-    # host-only machines re-fault every freed buffer's pages; auto's budget bounds what is kept
-    store.recycle = plan.offload == "auto" and not accelerator.queues_work
+    store = _store(accelerator, folder, ctx, plan)
     device_budget = plan.device_mem if plan.device_mem is not None \
         else accelerator.total_memory()
-    sync = ChunkGradSync(
-        model, state.optimizer, ctx, state.layouts, blocks=state.blocks,
-        zero_stage=plan.zero_stage, precision=plan.precision, store=store,
+    settings = dict(
+        blocks=state.blocks, zero_stage=plan.zero_stage, precision=plan.precision,
         placer_args={"mode": plan.offload, "device_budget": device_budget,
                      "host_budget": plan.host_mem},
         chunk_mb=chunk_mb(state.chunk_mb, device_budget, plan.host_mem),
         replaced=state.replaced_params)
+    if plan.ep > 1:  # non-expert chunks over dp, expert ones over expert-dp
+        sync = ExpertChunkSync(model, state.optimizer, ctx, state.layouts,
+                               make_store=lambda kind: _store(accelerator, _sub(folder, kind),
+                                                              ctx, plan), **settings)
+        stores = [s.store for s in sync.syncs()]
+    else:
+        sync = ChunkGradSync(model, state.optimizer, ctx, state.layouts, store=store,
+                             **settings)
+        stores = [store]
     sync.spill_folder = folder
     if folder is not None:  # the model's files go with it (its rank's folder at exit)
-        weakref.finalize(sync, _remove, store, folder)
+        weakref.finalize(sync, _remove, stores, folder)
     if plan.offload == "static":
         sync.place_homes({"params": plan.offload_params, "grads": plan.offload_grads,
                           "optim": plan.offload_optim}, plan.host_mem)
@@ -76,6 +86,14 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     state.model_state = sync
     state.applied.append("offload")
     return model
+
+
+def _store(accelerator: Accelerator, folder: Path | None, ctx, plan) -> TierStore:
+    store = TierStore(accelerator, disk=(lambda: DiskStore(folder)) if folder else None,
+                      waiting=ctx.telemetry.waiting)
+    # host-only machines re-fault every freed buffer's pages; auto's budget bounds what is kept
+    store.recycle = plan.offload == "auto" and not accelerator.queues_work
+    return store
 
 
 def chunk_mb(default: float, *budgets: int | None) -> float:
@@ -107,8 +125,17 @@ def _model_folder(spill_dir: str | None, rank: int) -> Path:
     return folder
 
 
-def _remove(store: TierStore, folder: Path) -> None:
-    store.close()
+def _sub(folder: Path | None, kind: str) -> Path | None:
+    """A sub-folder of the model's spill folder (one per store of an expert-parallel model)."""
+    if folder is None:
+        return None
+    (folder / kind).mkdir(mode=0o700)
+    return folder / kind
+
+
+def _remove(stores: list[TierStore], folder: Path) -> None:
+    for store in stores:
+        store.close()
     shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -13,7 +13,8 @@ The plan's ``ep`` carves groups of ep adjacent data-parallel ranks out of dp (``
 - ``applier.py``: the expert applier (which plans and models it runs, and the swap).
 - ``data_step.py``, ``grad_sync.py``, ``zero3.py``: the data applier's step under ep: replicas
   made equal per group, non-expert gradients reduced over dp and expert ones over expert-dp
-  (ZeRO 0-2 on flat buckets, ZeRO-3 on FSDP2 with the experts as their own unit).
+  (ZeRO 0-2 on flat buckets, ZeRO-3 on FSDP2 with the experts as their own unit; under offload
+  the memory layer's ``ExpertChunkSync`` runs the chunk sync once per kind, on ``ParamView``).
 - ``layouts.py``: each expert slice's box of its global tensor, through which checkpoints save
   it and reshard it under another ep or into one plain process.
 - ``aux_loss.py``: the router's load-balancing loss over the whole data-parallel batch, equal

@@ -13,8 +13,11 @@ Under tp (1D) each local expert is split over the tp group as well (``LocalExper
 attention and any shared expert are the tensor applier's, the router stays replicated). Under
 pp the blocks share one ``StageCarry`` (``router_stats.py``, in ``state.stage_carry``), whose
 router sums the pipeline passes from stage to stage for the auxiliary loss.
-Not yet composed (each refused with what to use instead): sp, sp_mode, a 2D / 2.5D tp grid
-and offload (``Plan.validate``), and models whose weights a loader fills after parallelize.
+Offload composes as static shares (host, and disk beyond ``host_mem``;
+``memory/expert_chunks.py``: a chunk state per kind of parameter). Not yet composed (each
+refused with what to use instead): sp, sp_mode, a 2D / 2.5D tp grid, offload=auto or
+``device_mem``, offload beside tp
+(``Plan.validate``), and models whose weights a loader fills after parallelize.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ parameter: non-expert parameters (and buffers) from the first rank of each dp gr
 slices from the first rank of each expert-data group, since the ranks of an ep group hold
 different experts under the same names and shapes (a dp-wide broadcast would silently copy
 rank 0's experts everywhere). And training reduces each kind over its own group
-(``ExpertGradSync`` under zero 0-2, ``zero3.py`` under zero 3).
+(``ExpertGradSync`` under zero 0-2, ``zero3.py`` under zero 3, and under offload the
+offload applier's ``ExpertChunkSync``).
 """
 
 from __future__ import annotations
@@ -36,14 +37,18 @@ def sync_replicas(model: nn.Module, ctx: ParallelContext) -> None:
 
 
 def apply(model: nn.Module, state: ParallelState) -> nn.Module:
-    """The data applier's work, expert-aware (zero 0-3; the expert applier refused offload)."""
+    """The data applier's work, expert-aware (zero 0-3; under offload the offload applier
+    builds the step, ``memory/expert_chunks.py``)."""
     ctx, plan = state.ctx, state.ctx.plan
     if plan.ep == 1:
         return data.apply(model, state)
     move_real(model, ctx.device)
     sync_replicas(model, ctx)
     set_expert_grad_scale(model, plan.ep)
-    if plan.zero_stage == 3:
+    offloading = plan.offload != "none"
+    if offloading:
+        pass  # the offload applier lays both kinds out in chunks (memory/expert_chunks.py)
+    elif plan.zero_stage == 3:
         apply_zero3(model, state)
     elif state.optimizer is None:
         cast_params(model, compute_dtype(plan.precision))
@@ -55,7 +60,7 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
                                          bucket_mb=state.bucket_mb,
                                          replaced=state.replaced_params)
         state.model_state = state.grad_sync
-    if plan.zero_stage != 3 and plan.precision != "fp32":  # FSDP2 casts inputs itself
+    if (offloading or plan.zero_stage != 3) and plan.precision != "fp32":  # FSDP2 casts
         model.register_forward_pre_hook(data.input_caster(compute_dtype(plan.precision)),
                                         with_kwargs=True)
     state.applied.append("data")

@@ -74,6 +74,18 @@ class _Subset(nn.Module):
         return self
 
 
+class ParamView(_Subset):
+    """A ``_Subset`` that also shows ``model``'s modules as its own: what the offload chunks
+    are built over, since they find their units (blocks, embeddings, head) by walking the
+    module tree and keep only the parameters the view selects."""
+
+    def named_modules(self, *args, **kwargs) -> Iterator[tuple[str, nn.Module]]:
+        return self.whole.named_modules(*args, **kwargs)
+
+    def modules(self) -> Iterator[nn.Module]:
+        return self.whole.modules()
+
+
 def set_expert_grad_scale(model: nn.Module, ep: int) -> None:
     """Every local expert's gradient times 1/ep: the expert-data average then equals the mean
     over dp (each expert gradient already sums the tokens of its ep group's ranks)."""
@@ -82,8 +94,8 @@ def set_expert_grad_scale(model: nn.Module, ep: int) -> None:
             module.grad_scale = 1.0 / ep
 
 
-def _split_optimizer(optimizer: torch.optim.Optimizer, replaced: dict[int, nn.Parameter]
-                     ) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer | None]:
+def split_optimizer(optimizer: torch.optim.Optimizer, replaced: dict[int, nn.Parameter]
+                    ) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer | None]:
     """Two optimizers of the user's class and per-group settings, over the non-expert and the
     expert parameters of each group (the model's current ones: ``replaced`` maps the swapped
     expert tensors). None for the experts when none is trainable (frozen experts)."""
@@ -106,7 +118,7 @@ class ExpertGradSync(GradSync):
                  replaced: dict[int, nn.Parameter] | None = None) -> None:
         self.ctx, self.stage = ctx, zero_stage
         self.expert_ctx = expert_data_context(ctx)
-        dense_opt, expert_opt = _split_optimizer(optimizer, replaced or {})
+        dense_opt, expert_opt = split_optimizer(optimizer, replaced or {})
         settings = dict(zero_stage=zero_stage, precision=precision, bucket_mb=bucket_mb)
         dense = _Subset(model, lambda p: not is_expert_parameter(p))
         self.dense = ZeroGradSync(dense, dense_opt, ctx, layouts, **settings)

@@ -134,16 +134,44 @@ def _applied(model, plan) -> dict[str, float]:
                                       and "activation_checkpointing" not in state.applied)}
 
 
+def _backward_both(model, opt, reference, ref_opt, ctx, share: slice, step: int,
+                   errors: dict[str, float]):
+    """Step ``step``'s batch through the one-process reference and, this rank's rows
+    ``share`` of it, through the ranks' model, both backward (LM loss plus the aux loss, as
+    HF computes it); the two losses' relative errors go into ``errors``. Returns the ranks'
+    outputs (their router logits say which experts got tokens)."""
+    from kernels_runtime.parallel.expert.aux_loss import load_balancing_loss
+
+    dp = ctx.dp_size
+    ids, labels = _batch(step)
+    tokens = int((labels != -100).sum())
+    ref_out = reference(input_ids=ids, attention_mask=MASK, output_router_logits=True)
+    ref_loss = _lm_loss(ref_out, labels, tokens) + AUX_COEF * ref_out.aux_loss
+    ref_opt.zero_grad()
+    ref_loss.backward()
+
+    out = model(input_ids=ids[share], attention_mask=MASK[share], output_router_logits=True)
+    lm = _lm_loss(out, labels[share], tokens)
+    aux = load_balancing_loss(out.router_logits, EXPERTS, 2, MASK[share], ctx.comm,
+                              ctx.dp_group)
+    opt.zero_grad()
+    opt.backward(dp * (lm + AUX_COEF * aux))  # dp averages: each rank's share times dp
+    opt.finish_grad_sync()
+    total = lm.detach().clone()
+    ctx.comm.all_reduce(total, group=ctx.dp_group)
+    errors[f"loss step {step}"] = _rel(total + AUX_COEF * aux.detach(), ref_loss)
+    errors[f"aux loss step {step}"] = _rel(aux, ref_out.aux_loss)
+    return out
+
+
 def _train_on_rank(rank: int, world: int, family: str, plan: str, steps: int = STEPS,
                    idle: bool = False) -> dict[str, float]:
     from kernels_runtime import parallelize
-    from kernels_runtime.parallel.expert.aux_loss import load_balancing_loss
 
     from helpers.distributed import context
 
     ctx = context(plan)
-    dp, share = ctx.dp_size, slice(ctx.dp_rank * BATCH // ctx.dp_size,
-                                   (ctx.dp_rank + 1) * BATCH // ctx.dp_size)
+    share = slice(ctx.dp_rank * BATCH // ctx.dp_size, (ctx.dp_rank + 1) * BATCH // ctx.dp_size)
     reference, model = _model(family), _model(family)
     if idle:
         _idle_one_rank(reference, model)
@@ -152,24 +180,7 @@ def _train_on_rank(rank: int, world: int, family: str, plan: str, steps: int = S
                              verbose=False)
     errors = _applied(model, ctx.plan)
     for step in range(steps):
-        ids, labels = _batch(step)
-        tokens = int((labels != -100).sum())
-        ref_out = reference(input_ids=ids, attention_mask=MASK, output_router_logits=True)
-        ref_loss = _lm_loss(ref_out, labels, tokens) + AUX_COEF * ref_out.aux_loss
-        ref_opt.zero_grad()
-        ref_loss.backward()
-
-        out = model(input_ids=ids[share], attention_mask=MASK[share], output_router_logits=True)
-        lm = _lm_loss(out, labels[share], tokens)
-        aux = load_balancing_loss(out.router_logits, EXPERTS, 2, MASK[share], ctx.comm,
-                                  ctx.dp_group)
-        opt.zero_grad()
-        opt.backward(dp * (lm + AUX_COEF * aux))  # dp averages: each rank's share times dp
-        opt.finish_grad_sync()
-        total = lm.detach().clone()
-        ctx.comm.all_reduce(total, group=ctx.dp_group)
-        errors[f"loss step {step}"] = _rel(total + AUX_COEF * aux.detach(), ref_loss)
-        errors[f"aux loss step {step}"] = _rel(aux, ref_out.aux_loss)
+        out = _backward_both(model, opt, reference, ref_opt, ctx, share, step, errors)
         if idle and step == 0:  # the case is what it claims, on every rank
             picked = _picked(out.router_logits)
             errors["both ranks' experts got tokens"] = float(picked not in ({0, 1}, {2, 3}))

@@ -1,0 +1,195 @@
+"""Offload under expert parallelism: two chunk syncs, one per kind of parameter.
+
+Under ep a rank holds every non-expert parameter (replicas over dp, which holds the ep ranks)
+and E/ep of each block's experts (replicas over the expert-data-parallel group only,
+``parallel/expert/grad_sync.py``). One ``ChunkGradSync`` lays out one data-parallel state, so,
+as ``ExpertGradSync`` runs ZeRO twice, ``ExpertChunkSync`` runs the chunk sync twice:
+
+- over the non-expert parameters on the plan's context (chunks padded to dp, reduce-scattered
+  and all-gathered over dp);
+- over the expert slices on the expert-data view of the context (``expert_data_context``: the
+  edp group as its dp axis), with the expert layouts as that view sees them
+  (``on_expert_data``), so ZeRO 2/3 shard the experts within their expert-data group.
+
+Each sync finds the same units (``ParamView`` walks the whole model) but packs only its own
+parameters, so a block's forward gathers its dense chunks and its expert chunks through two
+sets of hooks, each sync's collectives on its own group in the same order on every rank. The
+experts' backward already scales their gradients by 1/ep (``set_expert_grad_scale``), so the
+expert-data average is the mean over dp that the dense chunks get. One inner optimizer (the
+user's class over both syncs' masters) steps both, each sync stepping its own chunks.
+
+Each sync has its own tier store, spill sub-folder and placement. Static shares apply to each
+kind's own chunks alike, so the sum is the plan's share; ``host_mem`` is split between the two
+in proportion to their chunks' bytes (beyond it, disk). What is refused (``Plan.validate``):
+``offload=auto`` and ``device_mem`` (two placers evicting by their own trace, each reserving
+the step's activations, would not share one device budget), and ``parallelize_model`` without
+an optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kernels_runtime.memory.chunk_sync import ChunkGradSync
+from kernels_runtime.memory.tiers import TierStore
+from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.mesh.shards import ParamLayout
+from kernels_runtime.optim import GradShard, GradSync, StatePiece
+from kernels_runtime.parallel.expert.grad_sync import (
+    ParamView,
+    expert_data_context,
+    split_optimizer,
+)
+from kernels_runtime.parallel.expert.layouts import on_expert_data
+from kernels_runtime.parallel.expert.moe_layer import is_expert_parameter
+
+
+class ExpertChunkSync(GradSync):
+    """``ChunkGradSync`` over dp for non-expert parameters and over expert-dp for experts."""
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
+        layouts: dict[str, ParamLayout], *, blocks: list[nn.Module], zero_stage: int,
+        precision: str, make_store: Callable[[str], TierStore], placer_args: dict,
+        chunk_mb: float = 32.0, replaced: dict[int, nn.Parameter] | None = None,
+    ) -> None:
+        self.ctx, self.expert_ctx = ctx, expert_data_context(ctx)
+        dense_opt, expert_opt = split_optimizer(optimizer, replaced or {})
+        settings = dict(blocks=blocks, zero_stage=zero_stage, precision=precision,
+                        placer_args=placer_args, chunk_mb=chunk_mb)
+        experts = ParamView(model, is_expert_parameter)
+        names = {n for n, _ in experts.named_parameters()}
+        self.dense = ChunkGradSync(ParamView(model, lambda p: not is_expert_parameter(p)),
+                                   dense_opt, ctx, layouts, store=make_store("dense"), **settings)
+        self.experts = None if expert_opt is None else ChunkGradSync(
+            experts, expert_opt, self.expert_ctx, on_expert_data(layouts, names),
+            store=make_store("experts"), **settings)
+        # released parameters are empty: their shapes live here (experts on the plan's mesh)
+        self.layouts = dict(self.dense.layouts)
+        self.layouts.update({n: layouts[n] for n in names if n in layouts})
+        self.spill_folder = None
+        self._dense_shards = 0  # how many of ``master_grads``' shards are the dense sync's
+
+    def syncs(self) -> list[ChunkGradSync]:
+        return [self.dense] if self.experts is None else [self.dense, self.experts]
+
+    # ---- placement -----------------------------------------------------------------------
+    def place_homes(self, fractions: dict[str, float], host_budget: int | None) -> None:
+        """The same static shares of each kind's own chunks; a host budget split between
+        the two in proportion to their chunks' bytes (so together they keep within it)."""
+        syncs = self.syncs()
+        sizes = [sum(c.shard_size for c in s.chunks) for s in syncs]
+        left = host_budget
+        for k, (s, size) in enumerate(zip(syncs, sizes)):
+            share = None
+            if host_budget is not None:
+                share = left if k == len(syncs) - 1 else host_budget * size // max(sum(sizes), 1)
+                left -= share
+            s.place_homes(fractions, share)
+
+    def tier_bytes(self) -> dict[str, int]:
+        parts = [s.tier_bytes() for s in self.syncs()]
+        return {k: sum(p[k] for p in parts) for k in parts[0]}
+
+    @property
+    def last_step(self) -> dict:
+        """Both syncs' figures of the last step: moved bytes, evictions and waits summed;
+        peaks summed too (each store's own peak: an upper bound of the rank's)."""
+        out: dict = {}
+        for s in self.syncs():
+            for key, value in s.last_step.items():
+                if key == "moved":
+                    moved = out.setdefault("moved", {})
+                    for pair, n in value.items():
+                        moved[pair] = moved.get(pair, 0) + n
+                else:
+                    out[key] = out.get(key, 0) + value
+        return out
+
+    @property
+    def optimizer_seconds(self) -> float:
+        return sum(s.optimizer_seconds for s in self.syncs())
+
+    @property
+    def deferred_steps(self) -> int:
+        return sum(s.deferred_steps for s in self.syncs())
+
+    # ---- GradSync ------------------------------------------------------------------------
+    def master_groups(self) -> list[list[torch.Tensor]]:
+        if self.experts is None:
+            return self.dense.master_groups()
+        return [d + e for d, e in zip(self.dense.master_groups(), self.experts.master_groups())]
+
+    def micro_batch(self):  # noqa: ANN201 - a context manager
+        stack = contextlib.ExitStack()
+        for s in self.syncs():
+            stack.enter_context(s.micro_batch())
+        return stack
+
+    def prepare_backward(self, sync: bool) -> None:
+        for s in self.syncs():
+            s.prepare_backward(sync)
+
+    def finish(self) -> None:
+        for s in self.syncs():
+            s.finish()
+
+    def complete_step(self) -> None:
+        for s in self.syncs():
+            s.complete_step()
+
+    def master_grads(self) -> list[GradShard]:
+        """Both syncs' per-chunk norm proxies. The expert ones are sharded over dp already
+        (the stepper adds "dp" to every chunk's axes): ranks of an ep group hold different
+        experts and those of an expert-data group different shards, so each counts once."""
+        shards = self.dense.master_grads()
+        self._dense_shards = len(shards)
+        if self.experts is not None:
+            shards += self.experts.master_grads()
+        return shards
+
+    def scale_grads(self, shards: list[GradShard], factor: torch.Tensor | float) -> None:
+        """Each sync scales its own shards and carries the factor to its own chunks' step."""
+        self.dense.scale_grads(shards[:self._dense_shards], factor)
+        if self.experts is not None:
+            self.experts.scale_grads(shards[self._dense_shards:], factor)
+
+    def zero_grads(self) -> None:
+        for s in self.syncs():
+            s.zero_grads()
+
+    def optimizer_step(self, inner: torch.optim.Optimizer) -> None:
+        """Each sync steps its chunks with the one inner optimizer (only the master being
+        stepped has a gradient); telemetry then shows both syncs' figures together."""
+        telemetry = self.ctx.telemetry
+        before = telemetry.offload  # each sync records its own step: one record of both
+        for s in self.syncs():
+            s.optimizer_step(inner)
+        telemetry.offload = before
+        last = self.last_step
+        telemetry.record_offload(self.tier_bytes(), last.get("moved", {}),
+                                 last.get("evictions", 0), last.get("wait_seconds", 0.0))
+
+    def publish(self) -> None:
+        for s in self.syncs():
+            s.publish()
+
+    def materialize_state(self, inner: torch.optim.Optimizer) -> None:
+        for s in self.syncs():
+            s.materialize_state(inner)
+
+    def pieces(self, saving: bool, optimizer: torch.optim.Optimizer | None) -> list[StatePiece]:
+        return [piece for s in self.syncs() for piece in s.pieces(saving, optimizer)]
+
+    def after_load(self) -> None:
+        for s in self.syncs():
+            s.after_load()
+
+    def memory_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Both syncs' bytes (each counts its own payloads, states included)."""
+        parts = [s.memory_breakdown(optimizer) for s in self.syncs()]
+        return {k: sum(p[k] for p in parts) for k in parts[0]}
