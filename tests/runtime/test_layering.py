@@ -2,7 +2,8 @@
 
 What is protected: every module of ``kernels_runtime`` imports alone in a fresh interpreter (no
 import cycle that only works in a lucky order); no module imports a layer above its own (read
-from its import statements, those inside functions too); only ``comm/`` names device kinds;
+from its import statements, those inside functions too; the check is shown catching an
+injected one); only ``comm/`` names device kinds;
 the public names import from the package, and the torch-free modules the notebook side uses
 stay torch-free.
 """
@@ -67,10 +68,12 @@ def test_every_package_has_a_layer():
     assert packages <= set(LEVEL), f"packages without a layer: {sorted(packages - set(LEVEL))}"
 
 
-def test_no_module_imports_a_layer_above_its_own():
+def upward_imports(root: Path = ROOT) -> list[str]:
+    """``path:line (package, layer) imports module (package, layer)`` for every import of a
+    module in the same layer or one above, in the ``kernels_runtime`` tree at ``root``."""
     problems = []
-    for path in sorted(ROOT.rglob("*.py")):
-        module = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts)
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join(path.relative_to(root.parent).with_suffix("").parts)
         own = _package(module)
         if own is None or own == "__init__":  # the package's public face may name anything
             continue
@@ -79,10 +82,36 @@ def test_no_module_imports_a_layer_above_its_own():
             if other == own or other is None:
                 continue
             if LEVEL[other] >= LEVEL[own]:
-                problems.append(f"{path.relative_to(ROOT.parent)}:{line} ({own}, layer "
+                problems.append(f"{path.relative_to(root.parent)}:{line} ({own}, layer "
                                 f"{LEVEL[own]}) imports {imported} ({other}, layer "
                                 f"{LEVEL[other]})")
+    return problems
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    problems = upward_imports()
     assert not problems, "\n".join(problems)
+
+
+def test_the_check_catches_an_injected_upward_import(tmp_path):
+    """A synthetic tree: ``comm`` (layer 1) reaching up into ``api`` inside a function, the
+    kind of "lazy" import that hides a dependency, is named at its file and line; the
+    downward import beside it is not."""
+    files = {
+        "kernels_runtime/__init__.py": "",
+        "kernels_runtime/comm/__init__.py": "",
+        "kernels_runtime/comm/wire.py": "def send():\n"
+                                        "    from kernels_runtime.api.loop import step\n"
+                                        "    return step\n",
+        "kernels_runtime/api/__init__.py": "",
+        "kernels_runtime/api/loop.py": "from kernels_runtime.comm.wire import send\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert upward_imports(tmp_path / "kernels_runtime") == [
+        f"kernels_runtime/comm/wire.py:2 (comm, layer {LEVEL['comm']}) imports "
+        f"kernels_runtime.api.loop (api, layer {LEVEL['api']})"]
 
 
 ZYGOTE = r"""
