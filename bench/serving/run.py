@@ -11,6 +11,9 @@ the clients), and served throughput / direct throughput (aim >= 0.9); rounds alt
 two, medians with the min-max.
 
 ``--quick``: fewer, shorter requests on a smaller model (what the test runs).
+The per-token time split (``workbench/serving/profile.py``: rank loop, engine step, deltas,
+bridge, event loop, SSE write) is printed under the table; ``--no-profile`` runs without
+its timestamps.
 ``--soak SECONDS``: instead, 64 clients, some disconnecting and some malformed, against a real
 ``workbench serve`` for that long (``bench/serving/soak.py``); exit status 1 on any failure.
 """
@@ -109,14 +112,15 @@ async def _load(url: str, key: str, prompts: list, lengths: list, timeout_s: flo
         return {"seconds": time.perf_counter() - start, "results": results}
 
 
-def run(spec: dict, ranks: int, rounds: int) -> dict:
+def run(spec: dict, ranks: int, rounds: int, profile: bool = True) -> dict:
     from workbench.cells.execution import run_cell
     from workbench.pool.pool import Pool
+    from workbench.serving.profile import ServingProfile
     from workbench.serving.server import Server, free_port
 
     prompts, lengths = workload(spec)
     quiet = {"stream": lambda *a: None, "display": lambda *a: None}
-    out: dict[str, list] = {"direct": [], "served": []}
+    out: dict[str, Any] = {"direct": [], "served": [], "profile": ServingProfile()}
     with Pool(ranks) as pool:
         pool.start()
         run_cell(pool, BUILD.format(spec=spec, ranks=ranks), **quiet)
@@ -124,12 +128,15 @@ def run(spec: dict, ranks: int, rounds: int) -> dict:
         for _ in range(rounds):
             run_cell(pool, DIRECT.format(), **quiet)
             out["direct"].append(pool.view([0]).pull("bench_direct", block=True)[0])
-            server = Server(pool, "engine", port=free_port(), api_key="bench").start()
+            server = Server(pool, "engine", port=free_port(), api_key="bench",
+                            profile=profile).start()
             try:
                 out["served"].append(asyncio.run(_load(
                     server.url + "/completions", "bench", prompts, lengths, 600)))
             finally:
                 server.stop()
+            if server.profile is not None:
+                out["profile"].merge(server.profile)
     out["lengths"] = lengths
     return out
 
@@ -141,6 +148,7 @@ def _p(values: list[float], q: float) -> float:
 
 def report(out: dict, spec: dict, ranks: int) -> dict:
     from kernels_runtime.data import ByteTokenizer
+    from workbench.serving.profile import rows as profile_rows
 
     decode = ByteTokenizer().decode
     lengths = out["lengths"]
@@ -173,7 +181,14 @@ def report(out: dict, spec: dict, ranks: int) -> dict:
     ratio = [s / d for s, d in zip(served, direct)]
     print(f"served / direct throughput: {statistics.median(ratio):.2f} "
           f"({min(ratio):.2f}-{max(ratio):.2f}) (aim >= 0.9)")
-    return {"ratio": statistics.median(ratio), "complete": complete, "expected": expected}
+    split = out["profile"].summary()
+    if split["tokens"]:
+        print(f"where a streamed token's time goes (mean per token over {split['tokens']} "
+              f"tokens after each request's first, all rounds; measured end to end "
+              f"{split['latency_ms']:.2f} ms):")
+        print_table(["part", "ms / token", "share"], profile_rows(split))
+    return {"ratio": statistics.median(ratio), "complete": complete, "expected": expected,
+            "split": split}
 
 
 def main(argv: list[str]) -> dict:
@@ -181,6 +196,8 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--no-profile", action="store_true",
+                        help="no per-token time split (no timestamps on the serving path)")
     parser.add_argument("--soak", type=float, default=None, metavar="SECONDS",
                         help="soak a real workbench serve for SECONDS (serving_soak.py)")
     parser.add_argument("--clients", type=int, default=64, help="with --soak: clients at once")
@@ -199,4 +216,4 @@ def main(argv: list[str]) -> dict:
         return out
     spec = dict(QUICK if args.quick else FULL)
     rounds = args.rounds or (1 if args.quick else 3)
-    return report(run(spec, args.ranks, rounds), spec, args.ranks)
+    return report(run(spec, args.ranks, rounds, not args.no_profile), spec, args.ranks)

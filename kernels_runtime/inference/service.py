@@ -22,6 +22,7 @@ rotation, instead of a loop that hangs or goes on from an unknown state.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -128,10 +129,12 @@ def admit(engine: Any, command: Command,
 
 
 def serve(engine: Any, receive: Callable[[float], list[Command]] | None,
-          send: Callable[[list[dict[str, Any]]], None] | None, idle_s: float = 0.05) -> None:
+          send: Callable[[list[dict[str, Any]]], None] | None, idle_s: float = 0.05,
+          profile: bool = False) -> None:
     """Run until a ``stop`` command has drained the engine (see the module docstring).
     ``receive(timeout_s)`` and ``send(deltas)`` are the leader's link to the front end (None on
-    the other ranks)."""
+    the other ranks). ``profile``: the leader's step deltas carry ``t``, host timestamps of
+    its loop turn and its step (``workbench/serving/profile.py``); no device sync is added."""
     ctx = engine.ctx
     leader = replica_leader(ctx)
     stop_strings: dict[str, tuple[str, ...]] = {}
@@ -139,6 +142,7 @@ def serve(engine: Any, receive: Callable[[float], list[Command]] | None,
     running: set[str] = set()  # requests added and not finished (a failed step ends them)
     stopping = idle_figures_due = False
     while True:
+        turn_ns = time.monotonic_ns() if profile else 0
         commands = None
         if leader:
             commands = receive(0.0 if engine.has_unfinished() or stopping else idle_s)
@@ -163,6 +167,7 @@ def serve(engine: Any, receive: Callable[[float], list[Command]] | None,
             return
         if engine.has_unfinished():
             try:
+                step_ns = time.monotonic_ns() if profile else 0
                 changed = engine.step()
             except Exception as err:  # noqa: BLE001 - the step's failure ends the replica
                 why = f"engine.step() failed on rank {ctx.rank}: {type(err).__name__}: {err}"
@@ -171,8 +176,14 @@ def serve(engine: Any, receive: Callable[[float], list[Command]] | None,
                                                          error=why, finished_s=0.0)),
                            "status": 500} for rid in sorted(running)])
                 raise ReplicaFailed(why) from err
+            step_end_ns = time.monotonic_ns() if profile else 0
             if leader and changed:
-                send([tracker.delta(out) for out in changed])
+                deltas = [tracker.delta(out) for out in changed]
+                if profile:  # one list shared by the step's deltas: the sender appends to it
+                    stamps = [turn_ns, step_ns, step_end_ns]
+                    for d in deltas:
+                        d["t"] = stamps
+                send(deltas)
             for out in changed:
                 if out.finished:
                     stop_strings.pop(out.request_id, None)

@@ -291,7 +291,7 @@ def create_app(server: Any) -> FastAPI:
     async def stream(kind: str, rid: str, model: str, first: dict[str, Any],
                      queue: asyncio.Queue, include_usage: bool,
                      deadline: float) -> AsyncIterator[bytes]:
-        delta, done = first, False
+        delta, done, dequeued_ns = first, False, 0
         try:
             if kind == "chat":
                 yield _event(api.chat_chunk(rid, model, {"role": "assistant"}, None))
@@ -310,11 +310,17 @@ def create_app(server: Any) -> FastAPI:
                         api.chat_chunk(rid, model, {"content": text} if text else {},
                                        reason)
                     yield _event(chunk)
+                if dequeued_ns and server.profile is not None:  # profile.py; not the first
+                    stamps = delta.get("t")
+                    if isinstance(stamps, list):
+                        server.profile.record([*stamps, dequeued_ns, time.monotonic_ns()],
+                                              len(delta.get("token_ids") or ()))
                 if reason is not None:
                     done = True
                     break
                 try:
                     delta = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
+                    dequeued_ns = time.monotonic_ns()
                 except asyncio.TimeoutError:  # past its deadline: aborted, told so, ended
                     done = True
                     server.bridge.abort(rid)

@@ -5,7 +5,8 @@ Requests go to the replica with the fewest requests in flight; what a leader sen
 changed request's new tokens and text, ``kernels_runtime.inference.service``) is handed to that
 request's queue on the server's event loop. One thread owns the socket (ZeroMQ sockets are not
 thread-safe): it sends what the event loop queued and receives what the leaders sent, waking
-every few milliseconds. Messages are JSON, never pickle.
+every few milliseconds. Messages are JSON, never pickle. A leader's message holds one step's
+deltas; they reach the event loop with one wake-up (``_hand_over``), not one per delta.
 
 Why each guard (issue 26, item 4): the socket listens on a TCP port any process of the host
 (or, on a multi-node pool, of the network) can reach, so nothing it receives is trusted.
@@ -278,10 +279,16 @@ class Bridge:
             raise _Dropped("stranger", f"{_name(leader)} sent a message before a hello with "
                                        "the secret")
         elif isinstance(message.get("deltas"), list):
-            for delta in message["deltas"]:
-                if not (isinstance(delta, dict) and isinstance(delta.get("id"), str)):
-                    raise _Dropped("delta", "a delta that is not an object with a string id")
-                self._deliver(delta)
+            puts = []  # one wake of the event loop per message (a step), not per delta
+            try:
+                for delta in message["deltas"]:
+                    if not (isinstance(delta, dict) and isinstance(delta.get("id"), str)):
+                        raise _Dropped("delta", "a delta that is not an object with a string id")
+                    q = self._book(delta)
+                    if q is not None:
+                        puts.append((q, delta))
+            finally:
+                self._hand_over(puts)
         elif isinstance(message.get("failed"), str):  # its engine failed: rank_side.py
             self._leader_gone(leader, f"{_name(leader)} failed: {message['failed'][:2000]}")
         else:
@@ -303,7 +310,15 @@ class Bridge:
             self.lost.pop(leader, None)
 
     def _deliver(self, delta: dict[str, Any]) -> None:
+        q = self._book(delta)
+        self._hand_over([] if q is None else [(q, delta)])
+
+    def _book(self, delta: dict[str, Any]) -> asyncio.Queue | None:
+        """Account for ``delta`` (its replica's load, the metrics); the queue it goes to, if
+        its request still has one."""
         rid = delta["id"]
+        if isinstance(delta.get("t"), list):  # profiled (profile.py): when it reached the loop
+            delta["t"].append(time.monotonic_ns())
         if delta.get("finish_reason") is not None:
             with self.lock:
                 leader = self.owner.pop(rid, None)
@@ -312,15 +327,24 @@ class Bridge:
         if self.on_delta is not None:
             self.on_delta(delta)
         q = self.queues.get(rid)
-        if q is not None and self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(q.put_nowait, delta)
         if delta.get("finish_reason") is not None:
             self.queues.pop(rid, None)
+        return q
+
+    def _hand_over(self, puts: list[tuple[asyncio.Queue, dict[str, Any]]]) -> None:
+        """Put each delta on its queue in the event loop's thread, with one wake-up for all."""
+        if puts and self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(_put_all, puts)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
         self.socket.close(0)
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, dict[str, Any]]]) -> None:
+    for q, delta in puts:
+        q.put_nowait(delta)
 
 
 def _error_delta(rid: str, message: str, status: int) -> dict[str, Any]:

@@ -35,11 +35,13 @@ def describe_engine(name: str) -> dict[str, Any] | str:
     return {"replica": int(value.ctx.dp_rank), "adapters": list(value.adapters.names)}
 
 
-def serve_engine(engine: Any, address: str, secret: str, server_key: str | None = None) -> str:
+def serve_engine(engine: Any, address: str, secret: str, server_key: str | None = None,
+                 profile: bool = False) -> str:
     """Serve ``engine`` until the server sends stop; returns how it ended. ``server_key`` is
     the bridge's CURVE public key where its traffic is encrypted (beyond loopback), else None.
     A replica whose engine fails (``ReplicaFailed``) tells the bridge before the error ends
-    this rank's task, so the server takes it out of the rotation at once."""
+    this rank's task, so the server takes it out of the rotation at once. ``profile``: deltas
+    carry timestamps (``workbench/serving/profile.py``)."""
     from kernels_runtime.inference import Engine
     from kernels_runtime.inference.service import ReplicaFailed, replica_leader, serve
     from workbench.serving.bridge import MAX_MESSAGE, leader_identity
@@ -48,7 +50,7 @@ def serve_engine(engine: Any, address: str, secret: str, server_key: str | None 
         raise TypeError(f"%colossal serve serves a kernels_runtime.inference.Engine; this "
                         f"rank's variable holds a {type(engine).__name__}")
     if not replica_leader(engine.ctx):
-        serve(engine, None, None)
+        serve(engine, None, None, profile=profile)
         return "stopped"
     import zmq
 
@@ -87,10 +89,14 @@ def serve_engine(engine: Any, address: str, secret: str, server_key: str | None 
 
     def send(deltas: list[dict[str, Any]]) -> None:
         in_flight.difference_update(d["id"] for d in deltas if d.get("finish_reason"))
+        if profile:  # the step's deltas share one stamp list (service.py): stamp it once
+            sent_ns = time.monotonic_ns()
+            for stamps in {id(d["t"]): d["t"] for d in deltas if "t" in d}.values():
+                stamps.append(sent_ns)
         socket.send(json.dumps({"deltas": deltas}).encode())
 
     try:
-        serve(engine, receive, send)
+        serve(engine, receive, send, profile=profile)
     except ReplicaFailed as err:
         socket.send(json.dumps({"failed": str(err)}).encode())
         raise

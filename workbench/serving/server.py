@@ -22,6 +22,7 @@ from typing import Any
 from workbench.errors import PoolError
 from workbench.serving.bridge import Bridge
 from workbench.serving.metrics import Metrics
+from workbench.serving.profile import ServingProfile
 
 _RUNNING: list[Server] = []
 DEFAULT_REQUEST_TIMEOUT_S = 600.0  # workbench serve --request-timeout
@@ -57,7 +58,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 class Server:
     def __init__(self, pool: Any, engine: str, *, model_id: str | None = None,
                  host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 profile: bool = False) -> None:
+        """``profile``: split each streamed token's time into its hops (``profile.py``), read
+        from ``self.profile`` once the requests are answered; off, nothing is stamped."""
         if not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be a number of seconds > 0, got "
                              f"{request_timeout_s!r}")
@@ -68,6 +72,7 @@ class Server:
         self.api_key = api_key
         self.created = int(time.time())
         self.metrics = Metrics()
+        self.profile = ServingProfile() if profile else None
         self.bridge: Bridge | None = None
         self.task: Any = None  # the ranks' serving loop (an ipyparallel AsyncResult)
         self.failure: str | None = None  # why the ranks cannot serve now
@@ -161,7 +166,8 @@ class Server:
         self.failure = None
         code = (f"import workbench.serving.rank_side as _wb_serving\n"
                 f"_wb_serving.serve_engine({self.engine}, {self.bridge.address!r}, "
-                f"{self.bridge.secret!r}, {self.bridge.server_key!r})\n")
+                f"{self.bridge.secret!r}, {self.bridge.server_key!r}, "
+                f"profile={self.profile is not None})\n")
         self.task = self.pool.view().execute(code, silent=True, block=False)
         replicas = self.replicas
         deadline = time.monotonic() + connect_timeout_s
