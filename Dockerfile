@@ -26,6 +26,12 @@
 #                 or a folder of the build context (its wheel then also lands in the image's copy
 #                 of the repository): --build-arg TORCH_WHEELS=wheels
 #   NODE_EXTRA_CA_CERTS  build time only: Node.js's CA bundle behind a TLS-inspecting proxy.
+#   LABEXTENSION  build time only: a folder, inside the build, holding the lab extension already
+#                 built (workbench/ui/lab/labextension of a checkout after `make`): the install
+#                 ships it instead of compiling extension/ with Node.js and npm (minutes), e.g.
+#                   -v $PWD/workbench/ui/lab/labextension:/labextension:ro \
+#                   --build-arg LABEXTENSION=/labextension
+#                 Empty by default: the image compiles its extension from the sources it holds.
 # podman needs --format docker: OCI images drop the SHELL below (RUN would use /bin/sh).
 # The install itself is binder/install.sh, the same script Binder's postBuild runs and
 # tests/playground/test_binder_install.py checks. docs/deploy/jupyterhub.md has the details.
@@ -66,11 +72,20 @@ RUN set -e; \
 # extension, behind a TLS-inspecting proxy, e.g. -v /etc/ssl/certs:/etc/ssl/certs:ro
 # --build-arg NODE_EXTRA_CA_CERTS=/etc/ssl/certs/ca-certificates.crt
 ARG NODE_EXTRA_CA_CERTS=""
+ARG LABEXTENSION=""
 
 # Owned by the notebook user, so notebooks can write checkpoints and reports next to themselves.
 COPY --chown=${NB_UID}:${NB_GID} . "${WORKBENCH_HOME}"
 WORKDIR "${WORKBENCH_HOME}"
-RUN bash binder/install.sh "${WORKBENCH_HOME}" && \
+# With LABEXTENSION the built bundle is in place before the install, so the wheel's build hook
+# (skip-if-exists in pyproject.toml) ships it instead of running jlpm.
+RUN if [[ -n "${LABEXTENSION}" ]]; then \
+        [[ -f "${LABEXTENSION}/static/style.js" && -f "${LABEXTENSION}/package.json" ]] || { \
+            echo "LABEXTENSION=${LABEXTENSION}: no built lab extension there (static/style.js," \
+                 "package.json); run make first or leave LABEXTENSION empty" >&2; exit 1; }; \
+        cp -r "${LABEXTENSION}" workbench/ui/lab/labextension; \
+    fi && \
+    bash binder/install.sh "${WORKBENCH_HOME}" && \
     rm -rf "/home/${NB_USER}/.cache/yarn" "/home/${NB_USER}/.yarn/berry/cache" && \
     if command -v mamba >/dev/null; then \
         mamba clean --all --yes --quiet && \

@@ -111,9 +111,12 @@ test-hub: $(STAMP) $(CHP)
 # test-image: the playground image built from the Dockerfile with podman (as root; apt-get install
 # podman debootstrap), its test stage running the quickstart with nbclient inside the image
 # (tests/deploy/test_image_build.py). The debootstrap base is cached under $WORKBENCH_CACHE_DIR/image/
-# and podman keeps the dependency layer, so a rerun rebuilds the workbench install (the lab
-# extension compiled from npm) and reruns the quickstart; torch comes from a local CPU wheel when
-# pip's find-links has one. Measured on 2 busy cores (load 20-30): 8 min rerun, 22 min first run.
+# and podman keeps the dependency layer, so a rerun rebuilds the workbench install (with the lab
+# extension this target's $(STAMP) built, not compiled again by npm) and reruns the quickstart;
+# torch comes from a local CPU wheel when pip's find-links has one. The test removes what podman
+# no longer needs. Each step's seconds: $WORKBENCH_CACHE_DIR/image/last-build.log. Measured on 2
+# cores: 46-49 s rerun (load 2-4; 121 s before, npm compiling the extension inside), 4.3 min with
+# the dependency layer rebuilt (load 5-7); under load 20-30 it took 8 and 22 min.
 test-image: $(STAMP)
 	@mkdir -p $(RESULTS)
 	$(PYTEST) --junitxml=$(RESULTS)/image.xml -m image tests/deploy | tee $(RESULTS)/image.log

@@ -19,12 +19,18 @@ reachable (docs/deploy/jupyterhub.md, "Building the image"):
   machine whose podman storage was wiped skips debootstrap.
 - torch from a local CPU wheel (``TORCH_WHEELS``; found through WORKBENCH_TORCH_WHEELS, else
   pip's find-links), so the build does not download PyPI's multi-GB CUDA torch.
+- The lab extension `make` built on the host (``LABEXTENSION``, mounted read-only), so the
+  install does not compile it again with npm (minutes on 2 cores); the default build, for users,
+  still compiles it. Its compilation from a clean checkout is `make`'s and test-install's.
 podman's layer cache keeps the torch and requirements layer between runs: a rerun rebuilds the
-workbench install and reruns the quickstart.
+workbench install and reruns the quickstart. The log (``last-build.log`` in the cache folder)
+gives each step's seconds; the test removes its image and build containers when done, keeping
+the base and the cached layers.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -32,6 +38,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +54,8 @@ TAG = "localhost/colossal-workbench:test"
 BASE_PACKAGES = "python3,python3-venv,ca-certificates"
 BASE_PYTHON_TAG = "cp311"  # bookworm's python3 is 3.11: the torch wheel must match it
 VERDICT = "/tmp/workbench-quickstart-verdict.txt"  # the Dockerfile's last COPY
+LABEXTENSION = ROOT / "workbench" / "ui" / "lab" / "labextension"  # built by `make`
+STEP = re.compile(r"^(?:\[\d+/\d+\] )?STEP \d+/\d+: (.*)$")
 
 
 def run(cmd: list[str], what: str, env: dict[str, str], timeout: float = 900,
@@ -109,6 +119,37 @@ def torch_wheels() -> Path | None:
     return None
 
 
+def timed_build(cmd: list[str], env: dict[str, str], log: Path,
+                timeout: float) -> tuple[int, str, list[tuple[float, str]]]:
+    """Run the build, writing its output to ``log`` with each line's elapsed seconds, and
+    return its exit status, its output, and (seconds, step) for every step, longest first."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    start = last = time.monotonic()
+    lines, steps, current = [], [], "(before the first step)"
+    try:
+        with log.open("w") as out:
+            for line in proc.stdout:
+                now = time.monotonic()
+                out.write(f"{now - start:7.1f}s {line}")
+                lines.append(line)
+                step = STEP.match(line)
+                if step:
+                    steps.append((now - last, current))
+                    current, last = step.group(1)[:120], now
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+    steps.append((time.monotonic() - last, current))
+    steps.sort(reverse=True)
+    with log.open("a") as out:
+        out.write(f"exit {rc} after {time.monotonic() - start:.0f} s; slowest steps:\n"
+                  + "".join(f"{t:7.1f}s {step}\n" for t, step in steps[:5]))
+    return rc, "".join(lines), steps
+
+
 def explain_build_failure(output: str) -> str:
     """What failed, in words: the quickstart in the test stage, or which build step."""
     failed = re.findall(r'^Error: building at STEP "(.*)": (.*)$', output, re.M)
@@ -130,33 +171,58 @@ def test_the_dockerfile_builds_the_image_and_its_quickstart_passes_inside():
     env = podman_env(cache)
     base_from = ensure_base(cache, env)
 
-    cmd = ["podman", "build", "--format", "docker", "--isolation", "chroot",
+    cmd = ["podman", "build", "--format", "docker", "--isolation", "chroot", "--force-rm",
            "--network", "host", "-v", "/etc/ssl/certs:/etc/ssl/certs:ro",
            "--build-arg", f"BASE_IMAGE={BASE}", "-t", TAG]
     wheels = torch_wheels()
     if wheels is not None:
         cmd += ["-v", f"{wheels}:/wheels:ro", "--build-arg", "TORCH_WHEELS=/wheels"]
+    extension = "compiled inside"
+    if (LABEXTENSION / "static" / "style.js").is_file():
+        cmd += ["-v", f"{LABEXTENSION}:/labextension:ro", "--build-arg",
+                "LABEXTENSION=/labextension"]
+        extension = "built by make"
     node_ca = os.environ.get("NODE_EXTRA_CA_CERTS")  # this machine's TLS-inspecting proxy
     if node_ca and Path(node_ca).is_file():
         if not node_ca.startswith("/etc/ssl/certs/"):  # that folder is mounted already
             cmd += ["-v", f"{node_ca}:{node_ca}:ro"]
         cmd += ["--build-arg", f"NODE_EXTRA_CA_CERTS={node_ca}"]
-    proc = subprocess.run([*cmd, str(ROOT)], env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=1200)
     log = cache / "last-build.log"
-    log.write_text(proc.stdout)
-    assert proc.returncode == 0, f"{explain_build_failure(proc.stdout)}\n(whole log: {log})"
-
-    # the tagged image holds the test stage's verdict: it was built after the quickstart passed
-    mount = run(["podman", "image", "mount", TAG], "mounting the built image", env)
+    started, rc = time.time(), 1
     try:
-        verdict = (Path(mount.stdout.strip()) / VERDICT.lstrip("/")).read_text()
+        rc, output, steps = timed_build([*cmd, str(ROOT)], env, log, timeout=1200)
+        assert rc == 0, (f"podman build exited {rc} (-9: killed after 1200 s): "
+                         f"{explain_build_failure(output)}\n(whole log, timed: {log})")
+
+        # the tagged image holds the test stage's verdict: built after the quickstart passed
+        mount = run(["podman", "image", "mount", TAG], "mounting the built image", env)
+        try:
+            verdict = (Path(mount.stdout.strip()) / VERDICT.lstrip("/")).read_text()
+        finally:
+            subprocess.run(["podman", "image", "unmount", TAG], env=env,
+                           stdout=subprocess.DEVNULL)
+        assert verdict.startswith("QUICKSTART PASSED: 00_quickstart.ipynb"), verdict
     finally:
-        subprocess.run(["podman", "image", "unmount", TAG], env=env, stdout=subprocess.DEVNULL)
-    assert verdict.startswith("QUICKSTART PASSED: 00_quickstart.ipynb"), verdict
-    cached = len(re.findall(r"^--> Using cache", proc.stdout, re.M))
-    print(f"image {TAG}: base {base_from}; torch from {wheels or 'the indexes'}; "
-          f"{cached} steps from podman's cache; {verdict.strip()}")
-    # the image this run replaced (untagged now); the layers cached for the next run stay
-    subprocess.run(["podman", "image", "prune", "-f"], env=env, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+        clean_up(env, started, built=rc == 0)
+    cached = len(re.findall(r"^--> Using cache", output, re.M))
+    print(f"image {TAG}: base {base_from}; torch from {wheels or 'the indexes'}; lab extension "
+          f"{extension}; {cached} steps from podman's cache; {verdict.strip()}\n"
+          "slowest steps: " + "; ".join(f"{t:.0f} s {step}" for t, step in steps[:4]))
+
+
+def clean_up(env: dict[str, str], started: float, built: bool) -> None:
+    """Free podman's storage (GBs a layer) of what a rerun does not reuse: working containers
+    that builds killed before ``started`` left behind (each holds its layers), and, once this
+    build succeeded, the images it replaced and its test stage (untagged now). The base, the
+    tagged image and the cached layers below it (torch and the requirements) stay; after a
+    failed build the new layers stay too, for the rerun."""
+    listed = subprocess.run(["podman", "ps", "--all", "--external", "--format", "json"],
+                            env=env, stdout=subprocess.PIPE, text=True).stdout
+    stale = [c["Id"] for c in json.loads(listed or "[]")
+             if c.get("State") == "storage" and c.get("Created", started) < started]
+    if stale:
+        subprocess.run(["podman", "rm", "--force", *stale], env=env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if built:
+        subprocess.run(["podman", "image", "prune", "--force"], env=env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
