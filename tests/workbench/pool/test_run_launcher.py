@@ -18,6 +18,7 @@ import argparse
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -112,15 +113,23 @@ def _run_notebook_01(saved: Path, cluster, *options: str, wrap: tuple[str, ...] 
         "the runner's report cell was saved in the notebook"
     report = report_path(saved)
     assert report.is_file() and "plotly" in report.read_text()[:200000], report
-    # the controller keeps finished jobs for MinJobAge (300 s): (id, state, nodes, node list)
-    jobs = [j.split() for j in cluster.run("squeue", "-h", "-t", "all", "-o", "%i %T %D %N")
-            .splitlines() if j.strip()]
+    # the controller keeps finished jobs for MinJobAge (300 s): (id, state, nodes, node list).
+    # A COMPLETING job counts only the nodes still finishing (each is released as its epilog
+    # ends), so the record is read once the job has left that state.
+    deadline = time.monotonic() + 60
+    while True:
+        jobs = [j.split() for j in cluster.run("squeue", "-h", "-t", "all", "-o",
+                                               "%i %T %D %N").splitlines() if j.strip()]
+        if not any(job[1] == "COMPLETING" for job in jobs) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     print("Slurm jobs (id, state, nodes, node list):", jobs)
     return done, code, jobs
 
 
 @pytest.mark.full
 @pytest.mark.engines
+@pytest.mark.daemons
 def test_workbench_run_trains_notebook_01_on_a_slurm_pool(tmp_path, slurm):
     done, code, jobs = _run_notebook_01(
         tmp_path / "out" / "run.ipynb", slurm, "--launcher", "slurm", "--controller-ip",
@@ -147,6 +156,7 @@ def two_hosts(tmp_path_factory):
 
 @pytest.mark.full
 @pytest.mark.engines
+@pytest.mark.daemons
 def test_workbench_run_nodes_2_spreads_the_ranks_over_two_slurm_nodes(tmp_path, two_hosts):
     from helpers.slurm_cluster import SlurmCluster, SlurmNode
 
