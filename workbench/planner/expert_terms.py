@@ -39,7 +39,7 @@ from __future__ import annotations
 from kernels_runtime.mesh.plan import PlanError
 from workbench.planner import memory
 from workbench.planner.memory import bucket_count
-from workbench.planner.parallel_comm import _collective
+from workbench.planner.parallel_comm import collective_item
 from workbench.planner.setting import MemoryItem, Setting, TimeItem
 
 
@@ -93,7 +93,7 @@ def all_to_all(st: Setting) -> list[TimeItem]:
     stride = st.tp * st.pp  # ep ranks are data-parallel ranks: tp x pp apart
 
     def a2a(name: str, phase: str) -> TimeItem:
-        return _collective(st, name, ("all_to_all",), layers * m * per_layer, 2 * layers * m,
+        return collective_item(st, name, ("all_to_all",), layers * m * per_layer, 2 * layers * m,
                            "ep", ep, stride, phase)
 
     items = [a2a("expert dispatch + combine all-to-alls", "forward"),
@@ -135,7 +135,7 @@ def expert_grad_sync(st: Setting) -> list[TimeItem]:
         return []
     op = "all_reduce" if st.plan.zero_stage == 0 else "reduce_scatter"
     window = "backward_last" if st.pp == 1 else None
-    return [_collective(st, f"expert gradient {op.replace('_', '-')}", (op,), extra * 4.0,
+    return [collective_item(st, f"expert gradient {op.replace('_', '-')}", (op,), extra * 4.0,
                         bucket_count(extra), "dp", edp, st.tp * st.pp, "backward", window)]
 
 

@@ -33,10 +33,12 @@ from workbench.planner.setting import Setting, TimeItem
 from workbench.planner.timing import p2p_seconds, ring_seconds
 
 
-def _collective(st: Setting, name: str, ops: tuple[str, ...], nbytes: float, count: int,
-                axis: str, ranks: int, stride: int, phase: str,
-                window: str | None = None) -> TimeItem:
-    """``count`` collectives (each one of every op in ``ops``) moving ``nbytes`` in all."""
+def collective_item(st: Setting, name: str, ops: tuple[str, ...], nbytes: float, count: int,
+                    axis: str, ranks: int, stride: int, phase: str,
+                    window: str | None = None) -> TimeItem:
+    """``count`` collectives (each one of every op in ``ops``) moving ``nbytes`` in all: the
+    time item every axis's communication term is made of (tp, sp here; ep in
+    ``expert_terms.py``)."""
     seconds = 0.0
     for op in ops:
         link = st.hw.link(op, ranks, stride)
@@ -61,7 +63,7 @@ def tp_comm(st: Setting) -> list[TimeItem]:
     backward = 2 * layers * m + (m if st.has_head else 0)
 
     def item(name: str, count: int, phase: str) -> TimeItem:
-        return _collective(st, name, ops, count * activation, count, "tp", t, 1, phase)
+        return collective_item(st, name, ops, count * activation, count, "tp", t, 1, phase)
 
     items = [item(f"tp forward {what}", forward, "forward"),
              item(f"tp backward {what}", backward, "backward")]
@@ -70,18 +72,18 @@ def tp_comm(st: Setting) -> list[TimeItem]:
     if st.sequence_parallel:
         tensors = st.spec.layer_replicated_tensors * layers * m
         whole = (st.spec.layer_params - st.spec.layer_split_params) * layers * m * st.elem
-        items.append(_collective(st, "tp replicated-parameter gradient all-reduces",
+        items.append(collective_item(st, "tp replicated-parameter gradient all-reduces",
                                  ("all_reduce",), whole, tensors, "tp", t, 1, "backward"))
     if not st.has_head:
         return items
     if profile_for(st.spec).vocab_parallel_loss:
         stats = 3 * m
-        items.append(_collective(st, "tp loss statistics all-reduces", ("all_reduce",),
+        items.append(collective_item(st, "tp loss statistics all-reduces", ("all_reduce",),
                                  stats * st.tokens_per_micro * 4, stats, "tp", t, 1,
                                  "forward"))
     else:
         logits = st.micro_batch * st.spec.seq * st.spec.vocab * st.elem  # sequence joined
-        items.append(_collective(st, "tp logits all-gather", ("all_gather",), m * logits, m,
+        items.append(collective_item(st, "tp logits all-gather", ("all_gather",), m * logits, m,
                                  "tp", t, 1, "forward"))
     return items
 
@@ -96,7 +98,7 @@ def sp_comm(st: Setting) -> list[TimeItem]:
     items = []
     if not profile_for(spec).sp_head_split:  # the sequence joined before the head
         whole = m * st.micro_batch * spec.seq * spec.hidden * st.elem
-        items.append(_collective(st, "sequence join all-gather", ("all_gather",), whole, m,
+        items.append(collective_item(st, "sequence join all-gather", ("all_gather",), whole, m,
                                  "sp", sp, st.tp, "forward"))
     if st.plan.sp_mode == "all_to_all":
         width = (2 * spec.hidden + 2 * spec.kv_size) / st.tp  # q, out + k, v of this rank
@@ -104,7 +106,7 @@ def sp_comm(st: Setting) -> list[TimeItem]:
         count = 4 * layers * m
 
         def a2a(name: str, phase: str) -> TimeItem:
-            return _collective(st, name, ("all_to_all",), layers * m * per_layer, count, "sp",
+            return collective_item(st, name, ("all_to_all",), layers * m * per_layer, count, "sp",
                                sp, st.tp, phase)
 
         items += [a2a("Ulysses forward all-to-alls", "forward"),

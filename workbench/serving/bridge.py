@@ -317,7 +317,7 @@ class Bridge:
         """Account for ``delta`` (its replica's load, the metrics); the queue it goes to, if
         its request still has one."""
         rid = delta["id"]
-        if isinstance(delta.get("t"), list):  # profiled (profile.py): when it reached the loop
+        if isinstance(delta.get("t"), list):  # profiled (profile.py): when the bridge decoded it
             delta["t"].append(time.monotonic_ns())
         if delta.get("finish_reason") is not None:
             with self.lock:
