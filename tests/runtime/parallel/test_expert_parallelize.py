@@ -284,7 +284,8 @@ FULL = [("mixtral", 4, "ep=2"), ("qwen2_moe", 4, "ep=2"), ("mixtral", 4, "ep=4")
         ("qwen2_moe", 4, "ep=4"), ("mixtral", 2, "ep=2 zero=1"), ("qwen2_moe", 2, "ep=2 zero=2"),
         ("mixtral", 2, "ep=2 zero=3"), ("qwen2_moe", 4, "ep=2 zero=3"), ("qwen3_moe", 2, "ep=2"),
         ("qwen3_moe", 4, "ep=4 zero=1"), ("mixtral", 4, "ep=2 tp=2"),
-        ("qwen2_moe", 4, "ep=2 tp=2"), ("mixtral", 2, "ep=2 ckpt")]
+        ("qwen2_moe", 4, "ep=2 tp=2"), ("mixtral", 2, "ep=2 ckpt"),
+        ("mixtral", 2, "ep=2 zero=2"), ("qwen2_moe", 2, "ep=2 zero=1")]
 
 
 @pytest.mark.full
