@@ -73,11 +73,14 @@ def to_be_loaded(model: nn.Module) -> bool:
 
 def allocate(params: Iterable[nn.Parameter], device: torch.device) -> None:
     """Zeros in place of each meta parameter (the same ``Parameter`` object, so optimizers,
-    tied modules and layouts keep pointing at it); real ones are left alone."""
+    tied modules and layouts keep pointing at it, and its attributes: ``swap_tensors`` swaps
+    ``__dict__`` too, which would drop marks such as the expert applier's); real ones are left
+    alone."""
     for p in params:
         if p.is_meta:
             real = nn.Parameter(torch.zeros(p.shape, dtype=p.dtype, device=device),
                                 requires_grad=p.requires_grad)
+            real.__dict__.update(p.__dict__)
             torch.utils.swap_tensors(p, real)
 
 

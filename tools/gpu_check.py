@@ -9,7 +9,11 @@ from device events without a synchronize; ``train_step`` of a tiny GPT-2 on the 
 step split from events; a checkpoint round trip restores the weights and the CUDA RNG state;
 offloaded training (state in pinned host memory, parameters prefetched to the device on a side
 stream) gives the same losses; the inference engine's paged KV cache on the device gives HF
-``generate``'s greedy tokens, also when a small cache swaps requests to pinned host memory.
+``generate``'s greedy tokens, also when a small cache swaps requests to pinned host memory; the
+local experts' grouped GEMMs (``parallel/expert/expert_compute.py``) give the loop's outputs and
+gradients in bf16, and it reports which path the automatic choice takes (and why not grouped)
+and each path's forward-and-backward time from CUDA events, rounds interleaved (reported, not
+checked).
 
 It is a tool, not a benchmark (it compares nothing, so ``python -m bench`` does not list it), and
 not part of the runtime (it names cuda and nccl throughout, which only ``kernels_runtime.comm``
@@ -93,11 +97,12 @@ def main(argv: list[str] | None = None) -> int:
         checks["cuda_rng_restored"] = torch.equal(torch.cuda.get_rng_state(), rng)
     checks.update(_offload(ctx, model.config))
     checks.update(_inference(session.comm, model.config, "cuda"))
+    checks.update(_experts(acc.device))
     session.close()
     ok = all(checks[k] is True for k in (
         "host_not_blocked", "split_sane", "checkpoint_round_trip", "cuda_rng_restored",
         "offload_same_losses", "offload_prefetched", "inference_tokens_equal",
-        "inference_swapped_equal"))
+        "inference_swapped_equal", "experts_grouped_equal"))
     ok = ok and checks["timing_deferred_then_resolved"] == [0, 1]
     checks["ok"] = ok
     print(json.dumps(checks))
@@ -154,6 +159,67 @@ def _inference(comm, config, device: str) -> dict:
         out[f"inference_{name}_preemptions"] = engine.stats()["preemptions"]
     out["inference_device"] = str(engine.cache.device)
     return out
+
+
+def _experts(device, rounds: int = 20) -> dict:
+    """One rank's local experts at Mixtral-like sizes in bf16 (8 experts, h 2048, I 1408, 8192
+    rows, one expert without rows): the grouped path against the loop (1e-2 relative L2: bf16
+    outputs, other accumulation orders; the idle expert's gradients exactly zero), the path
+    "auto" picks, and each path's forward + backward time, median and spread of interleaved
+    rounds timed by CUDA events."""
+    import torch
+    from torch.nn.functional import silu
+
+    from kernels_runtime.parallel.expert.expert_compute import (
+        choose_path,
+        expert_mlp,
+        grouped_unavailable,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+    sizes = [1536, 0, 1024, 2048, 512, 1280, 768, 1024]  # rows per local expert
+    h, inter = 2048, 1408
+    leaves = [torch.randn(sum(sizes), h, generator=gen),  # (n, h)
+              torch.randn(len(sizes), 2 * inter, h, generator=gen) * h ** -0.5,  # (E_l, 2I, h)
+              torch.randn(len(sizes), h, inter, generator=gen) * inter ** -0.5]  # (E_l, h, I)
+    leaves = [t.to(device, torch.bfloat16).requires_grad_() for t in leaves]
+    grad_out = torch.randn(sum(sizes), h, generator=gen).to(device, torch.bfloat16)
+
+    def step(path: str) -> list:
+        for leaf in leaves:
+            leaf.grad = None
+        out = expert_mlp(*leaves[:1], sizes, *leaves[1:], silu, path)  # (n, h)
+        out.backward(grad_out)
+        return [out.detach()] + [leaf.grad.clone() for leaf in leaves]
+
+    result = {"experts_path": choose_path(*leaves),
+              "experts_grouped_unavailable": grouped_unavailable(*leaves)}
+    try:
+        loop, grouped = step("loop"), step("grouped")
+    except RuntimeError as error:  # a torch without a grouped kernel for this device
+        return {**result, "experts_grouped_equal": False, "experts_error": str(error)[:300]}
+    rel = [float((g.float() - ref.float()).norm() / ref.float().norm())
+           for g, ref in zip(grouped, loop)]
+    idle = all(float(grad[1].abs().max()) == 0 for grad in grouped[2:])
+    result["experts_rel"] = [round(r, 6) for r in rel]
+    result["experts_grouped_equal"] = max(rel) <= 1e-2 and idle
+    times: dict[str, list[float]] = {"loop": [], "grouped": []}
+    for index in range(rounds + 3):  # 3 warm-up rounds, then interleaved
+        for path in times:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            step(path)
+            end.record()
+            end.synchronize()
+            if index >= 3:
+                times[path].append(start.elapsed_time(end))
+    for path, ms in times.items():
+        ms.sort()
+        result[f"experts_{path}_ms"] = {"median": round(ms[len(ms) // 2], 3),
+                                        "min": round(ms[0], 3), "max": round(ms[-1], 3)}
+    result["experts_loop_over_grouped"] = round(
+        result["experts_loop_ms"]["median"] / result["experts_grouped_ms"]["median"], 2)
+    return result
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@
   host memory, stepped chunk by chunk by the user's ``AdamW(fused=True)`` over flat shards)
   against ``torch.optim.AdamW(fused=True)`` over the model's parameters (aim >= 1.0x);
 - the disk tier: step time with every kind of state on disk against the bound the disk
-  bandwidth alone sets (bytes moved per step / sequential read+write rate measured with the
-  page cache bypassed; aim within 2x).
+  bandwidth alone sets (bytes read from and written to disk per step, each at the sequential
+  rate measured with the page cache bypassed, in the same round; aim within 2x), with a
+  breakdown of its step beside the same step without offload (``timeline.py``).
 
 Rounds interleave the variants; medians and the spread (min-max) over rounds are printed.
 ``--rounds`` sets their number; ``--skip capacity cgroup`` leaves out the two capacity parts
@@ -26,6 +27,7 @@ import time
 
 from bench.common.spread import spread
 from bench.common.table import print_table
+from bench.memory import timeline
 
 VARIANTS = {  # name -> plan (None: plain PyTorch, no parallelize)
     "plain": None,
@@ -35,6 +37,7 @@ VARIANTS = {  # name -> plan (None: plain PyTorch, no parallelize)
     "disk, everything": "dp=1 zero=2 offload=static offload_params=1 offload_grads=1 "
                         "offload_optim=1 host_mem=0",
 }
+TIMELINE = ["no offload", "disk, everything"]  # the variants whose step is broken down
 
 
 def _model(args: argparse.Namespace):
@@ -59,24 +62,28 @@ def _build(plan: str | None, args: argparse.Namespace, spill: str):
 
 
 def _step(model, opt, plain: bool, step: int,
-          args: argparse.Namespace) -> tuple[float, float, float]:
-    """(step seconds, optimizer-step seconds, seconds in the optimizer's arithmetic)."""
+          args: argparse.Namespace) -> tuple[float, float, float, dict[str, float]]:
+    """(step seconds, optimizer-step seconds, seconds in the optimizer's arithmetic, the
+    step's timeline: ``timeline.py``)."""
     from kernels_runtime import train_step
     from kernels_runtime.calibrate.trial import next_token_loss, token_batch
 
     batch = token_batch(step, 0, args.batch, args.seq)
+    clock = timeline.StepClock(opt, next_token_loss)
     t0 = time.perf_counter()
     if plain:
-        next_token_loss(model, batch).backward()
+        clock.loss_fn(model, batch).backward()
+        clock.stop()
         t1 = time.perf_counter()
         opt.step()
         opt.zero_grad()
         end = time.perf_counter()
-        return end - t0, end - t1, end - t1
+        return end - t0, end - t1, end - t1, clock.figures()
     seconds = {}
     inner_step = opt.step
 
     def timed_step() -> bool:
+        clock.stop()
         s = time.perf_counter()
         ok = inner_step()
         seconds["opt"] = time.perf_counter() - s
@@ -85,14 +92,16 @@ def _step(model, opt, plain: bool, step: int,
     opt.step = timed_step
     arithmetic = getattr(opt.sync, "optimizer_seconds", 0.0)
     try:
-        train_step(model, opt, [batch], loss_fn=next_token_loss)
+        train_step(model, opt, [batch], loss_fn=clock.loss_fn)
     finally:
         opt.step = inner_step
     seconds["adam"] = getattr(opt.sync, "optimizer_seconds", 0.0) - arithmetic
-    return time.perf_counter() - t0, seconds["opt"], seconds["adam"]
+    return time.perf_counter() - t0, seconds["opt"], seconds["adam"], clock.figures()
 
 
 def _run(rank: int, world: int, args: argparse.Namespace, spill: str) -> dict:
+    from pathlib import Path
+
     from bench.memory import capacity as memory_capacity
     from kernels_runtime.memory.disk import measure_disk_bandwidth
 
@@ -100,24 +109,28 @@ def _run(rank: int, world: int, args: argparse.Namespace, spill: str) -> dict:
     times = {name: [] for name in VARIANTS}
     opt_times = {name: [] for name in VARIANTS}
     adam_times = {name: [] for name in VARIANTS}
-    moved = []
+    timelines = {name: [] for name in TIMELINE}
+    moved, disk = [], []
     for r in range(args.rounds + 1):  # round 0 warms up (states created, traces recorded)
         for name, (model, opt) in built.items():
-            step, opt_s, adam_s = _step(model, opt, VARIANTS[name] is None, r, args)
+            step, opt_s, adam_s, parts = _step(model, opt, VARIANTS[name] is None, r, args)
             if r:
                 times[name].append(step)
+                if name in timelines:
+                    timelines[name].append(parts)
                 opt_times[name].append(opt_s)
                 adam_times[name].append(adam_s)
             if r and name == "disk, everything":
                 moved.append(dict(opt.sync.last_step["moved"]))
-    from pathlib import Path
-
-    write_bps, read_bps = measure_disk_bandwidth(Path(spill), 128 * 2**20)
+            if r and name == "no offload":  # the disk's rate in every round, beside the steps
+                # it bounds, once the disk tier's writes left in flight are long done
+                disk.append(measure_disk_bandwidth(Path(spill), 128 * 2**20))
     numel = sum(p.numel() for p in _model(args).parameters())
     del built
     capacity = None if "capacity" in args.skip else memory_capacity.run(args, spill)
     return {"times": times, "opt_times": opt_times, "adam_times": adam_times, "moved": moved,
-            "numel": numel, "disk": (write_bps, read_bps), "capacity": capacity}
+            "timelines": timelines,
+            "numel": numel, "disk": disk, "capacity": capacity}
 
 
 def _physical(args: argparse.Namespace, spill: str) -> dict | str:
@@ -136,22 +149,26 @@ def report(out: dict) -> dict:
                 [[k, spread(times[k]), spread(opt_times[k]),
                   spread(adam[k]) if adam[k][0] else "-"] for k in times])
     print("(medians over rounds, min-max in brackets)")
-    write_bps, read_bps = out["disk"]
-    moved = statistics.median(sum(m.values()) for m in out["moved"])
-    read = statistics.median(sum(v for (a, _), v in m.items() if a == "disk")
-                             for m in out["moved"])
-    written = statistics.median(sum(v for (_, b), v in m.items() if b == "disk")
-                                for m in out["moved"])
-    # every byte moved is written once and read once per step, at best in sequence
-    bound = moved / 2 / write_bps + moved / 2 / read_bps
+    # per round: the bytes the disk tier read and wrote in its step, each at the rate measured
+    # for it in that round (reads and writes in sequence: no overlap between them assumed)
+    reads = [sum(v for (a, _), v in m.items() if a == "disk") for m in out["moved"]]
+    writes = [sum(v for (_, b), v in m.items() if b == "disk") for m in out["moved"]]
+    bounds = [r / read_bps + w / write_bps
+              for r, w, (write_bps, read_bps) in zip(reads, writes, out["disk"])]
+    per_round = [t / b for t, b in zip(times["disk, everything"], bounds)]
+    write_bps = statistics.median(w for w, _ in out["disk"])
+    read_bps = statistics.median(r for _, r in out["disk"])
     ratios = {"auto_vs_no_offload": med["auto, fits"] / med["no offload"],
               "host_adam_speed": adam_med["plain"] / adam_med["host optimizer"],
               "host_step_speed": statistics.median(opt_times["plain"])
               / statistics.median(opt_times["host optimizer"]),
-              "disk_vs_bound": med["disk, everything"] / bound}
+              "disk_vs_bound": statistics.median(per_round)}
     print(f"disk: {write_bps / 1e6:.0f} MB/s write, {read_bps / 1e6:.0f} MB/s read (page cache "
-          f"bypassed); {moved / 2**20:.1f} MiB moved per step ({read / 2**20:.1f} read, "
-          f"{written / 2**20:.1f} written) -> bound {bound:.3f} s")
+          f"bypassed; medians of one measurement per round); "
+          f"{statistics.median(reads) / 2**20:.1f} MiB read and "
+          f"{statistics.median(writes) / 2**20:.1f} MiB written per step -> bound "
+          f"{spread(bounds)} s")
+    timeline.report(out["timelines"])
     print("(the disk tier steps a chunk right before its next use, inside the next forward: "
           "its optimizer step s is what is left in step())")
     print(f"auto placement when everything fits / no offload: {ratios['auto_vs_no_offload']:.3f}"
@@ -159,7 +176,11 @@ def report(out: dict) -> dict:
     print(f"host Adam speed vs torch.optim.AdamW(fused=True): {ratios['host_adam_speed']:.2f}x"
           f" (aim >= 1.0x); the whole host optimizer step (gradients to the host, parameters "
           f"published) {ratios['host_step_speed']:.2f}x")
-    print(f"disk-tier step / disk-bandwidth bound: {ratios['disk_vs_bound']:.2f} (aim <= 2)")
+    print(f"disk-tier step / disk-bandwidth bound: {spread(per_round, 2)} per round (aim <= 2)")
+    busy = [(t - f["waited for a CPU s"]) / b for t, f, b in
+            zip(times["disk, everything"], out["timelines"]["disk, everything"], bounds)]
+    print(f"  the same less the time the compute thread waited for a CPU (other processes' "
+          f"load): {spread(busy, 2)}")
     from bench.memory import capacity as memory_capacity
     from bench.memory import cgroup as memory_cgroup
 

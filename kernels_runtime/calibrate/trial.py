@@ -3,10 +3,11 @@
 The plan tuner's "Measure" button and ``python -m bench planner`` both need what a prediction
 is checked against: step time and peak memory of an actual run of the plan. A trial builds the
 model from the same shape description the cost model reads (random weights, a Hugging Face
-GPT-2 or LLaMA-family model), parallelizes it with the plan, runs warm-up and timed steps on
-random tokens, and measures memory the way a CPU can (module docstring of ``bench.planner.run``):
-model states from ``BoostedOptimizer.memory_breakdown()`` plus the bytes autograd keeps for
-backward during one micro-batch. Collective: every rank of the default group calls it.
+GPT-2 or LLaMA-family model, a Mixtral for a mixture of experts), parallelizes it with the
+plan, runs warm-up and timed steps on random tokens, and measures memory the way a CPU can
+(module docstring of ``bench.planner.run``): model states from
+``BoostedOptimizer.memory_breakdown()`` plus the bytes autograd keeps for backward during one
+micro-batch. Collective: every rank of the default group calls it.
 
 Under pipeline parallelism every rank of a data-parallel replica gets the same micro-batches
 (``train_step`` runs the plan's schedule on them and returns the loss on every stage), and a
@@ -49,6 +50,8 @@ def build_model(shape: dict[str, Any], seed: int = 0) -> nn.Module:
                          bos_token_id=0, eos_token_id=0)
         cfg._attn_implementation = attn
         return GPT2LMHeadModel(cfg)
+    if shape.get("experts"):  # a mixture of experts: Mixtral's layout, whatever the family
+        return _mixtral(shape, hidden, heads, ffn, attn)
     if kind in _LLAMA_FAMILIES:
         cfg = LlamaConfig(vocab_size=shape["vocab"], hidden_size=hidden,
                           intermediate_size=ffn or 4 * hidden, num_hidden_layers=shape["layers"],
@@ -58,8 +61,25 @@ def build_model(shape: dict[str, Any], seed: int = 0) -> nn.Module:
         cfg._attn_implementation = attn
         return LlamaForCausalLM(cfg)
     raise ValueError(f"model_type={kind!r}: a trial builds GPT-2 or LLaMA-family models "
-                     f"({', '.join(('gpt2', *_LLAMA_FAMILIES))}); describe the model with one "
-                     "of those layouts")
+                     f"({', '.join(('gpt2', *_LLAMA_FAMILIES))}), or a Mixtral when the shape "
+                     "gives experts and top_k; describe the model with one of those layouts")
+
+
+def _mixtral(shape: dict[str, Any], hidden: int, heads: int, ffn: int | None,
+             attn: str) -> nn.Module:
+    """A Mixtral of the shape: ``experts`` fused experts of width ``ffn`` per block, ``top_k``
+    of them per token (what the planner's expert terms count and the expert applier splits)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=shape["vocab"], hidden_size=hidden,
+                        intermediate_size=ffn or 4 * hidden, num_hidden_layers=shape["layers"],
+                        num_attention_heads=heads,
+                        num_key_value_heads=shape.get("kv_heads") or heads,
+                        num_local_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
+                        tie_word_embeddings=bool(shape.get("tied_embeddings", False)),
+                        max_position_embeddings=shape["seq"], bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = attn
+    return MixtralForCausalLM(cfg)
 
 
 def token_batch(step: int, rank: int, batch: int, seq: int,

@@ -13,7 +13,9 @@ stay in the host's page cache, shared by all ranks, but are mapped into a rank o
 that tensor is read, so a rank's resident memory is its share plus one box.
 
 Names are the model's; a tied alias the file lacks (``lm_head.weight`` under
-``tie_word_embeddings``) is read under the name the file has.
+``tie_word_embeddings``) is read under the name the file has, and fused experts the files hold
+one tensor per expert (what ``save_pretrained`` writes for Mixtral and Qwen-MoE) are read box
+by box from those (``hf_experts.py``): under ep a rank reads its own experts' tensors.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 from kernels_runtime.api import parallelize, parallelize_model
 from kernels_runtime.checkpoint.agreement import agree, attempt
 from kernels_runtime.checkpoint.format import CheckpointError
+from kernels_runtime.checkpoint.hf_experts import FusedExperts, per_expert_sources
 from kernels_runtime.comm import Collectives
 from kernels_runtime.deferred_params import deferred_parameters, mark_to_be_loaded
 from kernels_runtime.mesh.context import ParallelContext
@@ -166,14 +169,20 @@ def fill(model: nn.Module, files: dict[str, Path], aliases: dict[str, str]) -> N
     assert state is not None and state.model_state is not None
     layout, ctx = state.model_state, state.ctx
     pieces = layout.pieces(saving=False, optimizer=None)
+    fused, renamed = per_expert_sources({p.shard.name for p in pieces}, files)
+    aliases = {**renamed, **aliases}
     by_tensor: dict[str, list[StatePiece]] = defaultdict(list)
     for piece in pieces:
         by_tensor[aliases.get(piece.shard.name, piece.shard.name)].append(piece)
-    agree(ctx.comm, ctx.device, attempt(lambda: _check(by_tensor, files)),
+    agree(ctx.comm, ctx.device, attempt(lambda: _check(by_tensor, files, fused)),
           f"checking {next(iter(files.values())).parent} against the model")
     with torch.no_grad():
         for name, held in by_tensor.items():
             for piece in held:
+                if name in fused:  # experts fused in the model, one tensor each in the files
+                    fused[name].read(piece.shard.offsets, piece.shard.sizes,
+                                     piece.values[PARAM], _read)
+                    continue
                 _read(files[name], name, piece.shard.offsets, piece.shard.sizes,
                       piece.values[PARAM])
         _fill_buffers(model, files)
@@ -201,14 +210,18 @@ def _read(file: Path, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...
             del stored
 
 
-def _check(by_tensor: dict[str, list[StatePiece]], files: dict[str, Path]) -> None:
-    missing = sorted(n for n in by_tensor if n not in files)
+def _check(by_tensor: dict[str, list[StatePiece]], files: dict[str, Path],
+           fused: dict[str, FusedExperts]) -> None:
+    missing = sorted(n for n in by_tensor if n not in files and n not in fused)
     if missing:
         raise CheckpointError(f"the model has parameters the files lack: {', '.join(missing)}")
     wrong = []
     for name, held in by_tensor.items():
-        with safe_open(str(files[name]), "pt") as f:
-            shape = tuple(f.get_slice(name).get_shape())
+        if name in fused:
+            shape = fused[name].shape
+        else:
+            with safe_open(str(files[name]), "pt") as f:
+                shape = tuple(f.get_slice(name).get_shape())
         if shape != tuple(held[0].shard.shape):
             wrong.append(f"{name}: file {shape}, model {tuple(held[0].shard.shape)}")
     if wrong:

@@ -12,6 +12,7 @@ same functions for each.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -40,6 +41,19 @@ def backend_device_kind(backend: str) -> str:
 def timing_event(backend: str) -> Any:
     """A timing event on the current stream of the device ``backend`` communicates."""
     return torch.get_device_module(backend_device_kind(backend)).Event(enable_timing=True)
+
+
+def grouped_gemm_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) compute capability of a CUDA device, whose grouped-GEMM kernel depends
+    on it (``parallel/expert/expert_compute.py``); None for any other kind of device."""
+    if device.type != "cuda":
+        return None
+    return _cuda_capability(device)
+
+
+@functools.cache
+def _cuda_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def _preferences() -> tuple[str | None, ...]:

@@ -18,9 +18,11 @@ and down columns row-split, so its output is a partial sum reduced over tp. Unde
 holds E/ep experts, each with I/tp features, and sums over tp then over ep.
 
 Against HF's block: routing is HF's own router module, so every rank picks the same experts
-with the same weights as HF; each expert is HF's SwiGLU on its rows; the outputs differ from
-HF's only by float rounding (HF's grouped matmuls and summation order; tp also splits the down
-projection's inner sum): about 1e-7 relative in fp32. A shared expert (Qwen2-MoE) runs whole
+with the same weights as HF; each expert is HF's SwiGLU on its rows (this rank's experts
+in two grouped GEMMs on a GPU, as training's ``expert_compute.py`` runs them, a loop elsewhere;
+one host read per layer, the count of this rank's rows); the outputs differ from HF's only by
+float rounding (HF's grouped matmuls and summation order; tp also splits the down projection's
+inner sum): about 1e-7 relative in fp32. A shared expert (Qwen2-MoE) runs whole
 on every rank (tp splits it as a dense MLP) after the sum, as HF adds it.
 """
 
@@ -33,6 +35,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from kernels_runtime.comm.collectives import Collectives
+from kernels_runtime.parallel.expert.expert_compute import expert_mlp
 from kernels_runtime.policies.moe import MoeSpec, expert_count, moe_blocks
 
 
@@ -78,6 +81,7 @@ class ServedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)  # (E/ep, 2I/tp, h)
         self.down_proj = nn.Parameter(down, requires_grad=False)  # (E/ep, h, I/tp)
         self.act_fn = experts.act_fn
+        self.path = "auto"  # expert_compute's choice; "grouped" or "loop" forces one
         self.shared_expert = getattr(block, spec.shared_expert) if spec.shared_expert else None
         self.shared_expert_gate = getattr(block, spec.shared_gate) if spec.shared_gate else None
         self.comm, self.groups = comm, groups
@@ -87,15 +91,20 @@ class ServedExperts(nn.Module):
         flat = hidden_states.reshape(-1, hidden)  # (t, h): every token of the step, every rank
         _, weights, chosen = self.gate(flat)  # (t, k) routing weights, (t, k) expert ids
         out = torch.zeros_like(flat)  # (t, h) this rank's partial sum
-        for index in range(self.gate_up_proj.shape[0]):
-            slot_token, slot_k = torch.where(chosen == self.first + index)  # (m,), (m,)
-            if slot_token.numel() == 0:
-                continue  # no collective inside: the all-reduce below runs on every rank
-            rows = flat[slot_token]  # (m, h)
-            gate, up = nn.functional.linear(rows, self.gate_up_proj[index]).chunk(2, dim=-1)
-            y = nn.functional.linear(self.act_fn(gate) * up, self.down_proj[index])  # (m, h)
-            y = y * weights[slot_token, slot_k, None]
-            out.index_add_(0, slot_token, y.to(out.dtype))
+        local = self.gate_up_proj.shape[0]
+        expert = chosen.reshape(-1) - self.first  # (t*k,) each slot's local expert
+        mine = (expert >= 0) & (expert < local)  # (t*k,)
+        order = torch.argsort(torch.where(mine, expert, local), stable=True)  # (t*k,) mine first
+        n = int(mine.sum())  # the one host read of the layer
+        if n:  # no collective inside: the all-reduce below runs on every rank
+            slots = order[:n]  # (n,) this rank's slots sorted by expert
+            token = slots // chosen.shape[-1]  # (n,)
+            sizes = torch.bincount(expert[slots], minlength=local)  # (E/ep,) on the device
+            # grouped GEMMs on a GPU, else a loop (``parallel/expert/expert_compute.py``)
+            y = expert_mlp(flat[token], sizes, self.gate_up_proj, self.down_proj, self.act_fn,
+                           self.path)  # (n, h)
+            y = y * weights.reshape(-1)[slots, None]
+            out.index_add_(0, token, y.to(out.dtype))
         for group in self.groups:
             self.comm.all_reduce(out, group=group)
         if self.shared_expert is not None:

@@ -28,6 +28,7 @@ from kernels_runtime.mesh.plan import Plan
 from kernels_runtime.parallel.state import ParallelState
 from kernels_runtime.policies import Policy
 from kernels_runtime.policies.moe import MOE_POLICY, expert_count, moe_blocks
+from kernels_runtime.policies.moe_modulelist import ModuleListError, modulelist_blocks
 
 
 def moe_policy(model: nn.Module) -> Policy | None:
@@ -39,6 +40,10 @@ def moe_problem(model: nn.Module, plan: Plan) -> str | None:
     """Why the engine cannot serve ``model`` under ``plan`` (validated) for its experts, or
     None. Dense models are refused only an ``ep`` (they have nothing to split)."""
     blocks = moe_blocks(model)
+    if plan.ep > 1 and not blocks and _has_modulelist_experts(model):
+        return (f"ep={plan.ep}: the engine splits fused experts (transformers' MoE models) "
+                f"only; {type(model).__name__} keeps its experts in an nn.ModuleList, which "
+                "the engine serves whole: use ep=1 (dp replicas, tp or pp)")
     if plan.ep > 1 and not blocks:
         return (f"ep={plan.ep} splits the experts of mixture-of-experts blocks, but "
                 f"{type(model).__name__} has none; serve a dense model with dp replicas, tp "
@@ -67,6 +72,14 @@ def moe_problem(model: nn.Module, plan: Plan) -> str | None:
                     f"expert of {path}: each tp rank serves a slice of every expert; choose "
                     f"tp in {fits}")
     return None
+
+
+def _has_modulelist_experts(model: nn.Module) -> bool:
+    """Whether ``model`` has a block the module-list reader reads (or refuses as malformed)."""
+    try:
+        return bool(modulelist_blocks(model))
+    except ModuleListError:
+        return True
 
 
 def parallelized_problem(plan: Plan) -> str | None:

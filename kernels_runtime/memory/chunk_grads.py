@@ -42,7 +42,7 @@ class ChunkReducer:
         self._ready = [0] * len(chunks)
         self._pending: list = []
         self._sumsq: list[torch.Tensor | None] = [None] * len(chunks)
-        self._grad_chunk = {f"c{c.index}.grad": c.index for c in chunks}
+        self._grad_chunk = {table.key(c.index, "grad"): c.index for c in chunks}
         self.overlap = {"during_backward": 0, "at_end": 0}
 
     def on_grad_ready(self, p: nn.Parameter) -> None:
@@ -117,7 +117,7 @@ class ChunkReducer:
         t = self.table
         grad = t.grad[i]
         if grad is None:
-            grad = t.grad[i] = t.store.adopt(f"c{i}.grad", shard, Tier.DEVICE)
+            grad = t.grad[i] = t.store.adopt(t.key(i, "grad"), shard, Tier.DEVICE)
             t.placer.register(grad)
             t.placer.home[grad.key] = t.grad_homes[i] if t.grad_homes else Tier.DEVICE
         else:

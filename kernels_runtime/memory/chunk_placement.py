@@ -14,32 +14,43 @@ from kernels_runtime.memory.placement import Trace, static_homes
 from kernels_runtime.memory.tiers import Tier
 
 
-def predicted_trace(units: list[Unit], chunks: list[ChunkLayout]) -> Trace:
+def predicted_trace(units: list[Unit], chunks: list[ChunkLayout], prefix: str = "") -> Trace:
     """The payload keys of one step in the order they are used: every unit's parameters in
-    forward, parameters and gradients in backward (reversed), then each trained chunk's step."""
-    keys = [f"c{i}.param" for u in units for i in u.chunks]
-    for u in reversed(units):
-        keys += [f"c{i}.{k}" for i in u.chunks for k in ("param", "grad")]
-    for c in chunks:
-        if not c.frozen:
-            keys += [f"c{c.index}.{k}" for k in ("grad", "master", "state", "param")]
-    return Trace(keys)
+    forward, parameters and gradients in backward (reversed), then each trained chunk's step
+    (``prefix``: of the keys, ``ChunkTable.key``)."""
+    return Trace(predicted_keys([(units, chunks, prefix)]))
 
 
-def set_floors(table: ChunkTable, training: bool) -> None:
+def predicted_keys(tables: list[tuple[list[Unit], list[ChunkLayout], str]]) -> list[str]:
+    """``predicted_trace``'s keys of one or more chunk tables over the same units (under ep:
+    dense and expert chunks), unit by unit in the order their hooks run, then each table's
+    step in turn."""
+    keys = [f"{p}c{i}.param" for u in range(len(tables[0][0]))
+            for units, _, p in tables for i in units[u].chunks]
+    for u in reversed(range(len(tables[0][0]))):
+        keys += [f"{p}c{i}.{k}" for units, _, p in tables for i in units[u].chunks
+                 for k in ("param", "grad")]
+    for _, chunks, p in tables:
+        keys += [f"{p}c{c.index}.{k}" for c in chunks if not c.frozen
+                 for k in ("grad", "master", "state", "param")]
+    return keys
+
+
+def set_floors(table: ChunkTable, training: bool, *others: ChunkTable) -> None:
     """The least device memory (one unit's parameters and gradients, gathered) and host memory
-    (one chunk's step, or a frozen chunk on its way to disk) any placement needs."""
-    t = table
-    size = t.dtype.itemsize
+    (one chunk's step, or a frozen chunk on its way to disk) any placement needs; ``others``:
+    tables over the same units sharing the placer (a unit gathers its chunks of every one)."""
+    tables = [table, *others]
+    size = table.dtype.itemsize
     per_param = size + (4 if training else 0)
-    t.placer.floor[Tier.DEVICE] = max(
+    table.placer.floor[Tier.DEVICE] = max(
         sum(t.chunks[i].padded * (size if t.chunks[i].frozen else per_param)
-            for i in u.chunks)
-        for u in t.units) if t.units else 0  # a unit's parameters and gradients
+            for t in tables for i in t.units[u].chunks)
+        for u in range(len(table.units))) if table.units else 0  # parameters and gradients
     per_shard = 4 * 4 if training else size  # grad, master, 2 states
-    t.placer.floor[Tier.HOST] = max(  # a frozen chunk is evicted through the host
+    table.placer.floor[Tier.HOST] = max(  # a frozen chunk is evicted through the host
         (t.param[c.index].nbytes if c.frozen else c.shard_size * per_shard
-         for c in t.chunks), default=0)
+         for t in tables for c in t.chunks), default=0)
 
 
 def place_static(table: ChunkTable, fractions: dict[str, float], host_budget: int | None) -> None:

@@ -102,6 +102,12 @@ class ChunkStepper:
         return [p for p in found if p is not None]
 
     def optimizer_step(self, inner: torch.optim.Optimizer) -> None:
+        self.step_chunks(inner)
+        self.end_step()
+
+    def step_chunks(self, inner: torch.optim.Optimizer) -> None:
+        """Every chunk's step (or its deferral): ``optimizer_step`` without ``end_step``,
+        for a table sharing its store and placer with another (``expert_chunks.py``)."""
         t, store = self.table, self.table.store
         self.deferred.complete_step()
         self.reducer.drain()
@@ -118,6 +124,12 @@ class ChunkStepper:
         if later:
             self.deferred.defer(inner, later, self._scale)
         self._scale = None
+
+    def end_step(self) -> None:
+        """The step is over for the store: the trace recorded predicts the next one, the
+        activation reserve and the step's figures (telemetry, ``last_step``) are taken and
+        the store's counters start again."""
+        t, store = self.table, self.table.store
         t.placer.end_step()
         self.activations.end_step()
         moved = {f"{a}->{b}": n for (a, b), n in store.moved.items()}
@@ -176,7 +188,7 @@ class ChunkStepper:
             return
         for name, value in inner.state.get(master.handle, {}).items():
             if isinstance(value, torch.Tensor) and value.dim() and value.numel() == master.numel:
-                payload = t.store.adopt(f"c{i}.{name}", value, master.tier)
+                payload = t.store.adopt(t.key(i, name), value, master.tier)
                 t.placer.register(payload)
                 t.placer.home[payload.key] = self._state_home(master, payload.nbytes)
                 t.states[i][name] = payload

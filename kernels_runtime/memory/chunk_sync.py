@@ -49,6 +49,7 @@ from kernels_runtime.memory.frozen_chunks import (
     in_backward,
     tensors_in,
 )
+from kernels_runtime.memory.host_malloc import payload_threshold, return_freed_memory
 from kernels_runtime.memory.placement import Placer
 from kernels_runtime.memory.tiers import Payload, Tier, TierStore
 from kernels_runtime.mesh.context import ParallelContext
@@ -62,8 +63,15 @@ class ChunkGradSync(GradSync):
         self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
         layouts: dict[str, ParamLayout], *, blocks: list[nn.Module], zero_stage: int,
         precision: str, store: TierStore, placer_args: dict, chunk_mb: float = 32.0,
-        replaced: dict[int, nn.Parameter] | None = None,
+        replaced: dict[int, nn.Parameter] | None = None, placer: Placer | None = None,
+        activations: ActivationReserve | None = None, prefix: str = "",
     ) -> None:
+        """``placer``, ``activations``: another sync's, whose ``store`` this one shares (one
+        budget for two kinds of chunk, ``expert_chunks.py``); ``prefix`` keeps this sync's
+        payload keys apart from that one's."""
+        if placer is not None and placer.store is not store:
+            raise ValueError("a shared placer places the payloads of its own store: pass "
+                             "store=placer.store")
         shards = shard_over_dp(model, optimizer, ctx, layouts, zero_stage, precision, replaced)
         self.ctx, self.stage, self.dtype = ctx, shards.stage, shards.dtype
         self.dp, self.dp_rank, self.layouts = shards.dp, shards.dp_rank, shards.layouts
@@ -83,12 +91,16 @@ class ChunkGradSync(GradSync):
             key=lambda name: self.layouts[name].signature)
         for c in self.chunks:
             c.frozen = c.group == self._groups
+        # before any payload exists: chunk-sized buffers leave the process when freed, smaller
+        # temporaries (activations) are reused from the heap (host_malloc.py)
+        return_freed_memory(payload_threshold(self._payload_sizes()))
         self.store = store
-        self.placer = Placer(store, predicted=predicted_trace(self.units, self.chunks),
-                             **placer_args)
-        self.activations = ActivationReserve(self.placer, ctx.device)
+        self.placer = placer if placer is not None else Placer(
+            store, predicted=predicted_trace(self.units, self.chunks, prefix), **placer_args)
+        self.activations = activations if activations is not None \
+            else ActivationReserve(self.placer, ctx.device)
         self.table = ChunkTable(ctx, self.stage, self.dtype, self.layouts, self.units,
-                                self.chunks, store, self.placer)
+                                self.chunks, store, self.placer, prefix=prefix)
         self.param, self.master = self.table.param, self.table.master  # (the same lists)
         self.grad, self.states = self.table.grad, self.table.states
         self._materialized: set[int] = set()
@@ -118,20 +130,31 @@ class ChunkGradSync(GradSync):
         flat = c.flat_values(torch.float32, self.ctx.device)  # (padded,)
         shard = flat[slice(*c.shard_range(self.dp_rank))]  # (padded/dp,)
         values = shard if self.stage == 3 else flat
-        param = self.store.allocate(f"c{c.index}.param", values.numel(), self.dtype, Tier.DEVICE)
+        key = self.table.key
+        param = self.store.allocate(key(c.index, "param"), values.numel(), self.dtype,
+                                    Tier.DEVICE)
         param.handle.copy_(values)
         param.viewed = True  # the parameters point into it while gathered
         if c.frozen or self._param_is_master():  # frozen: no master, the weights alone
             master = param
         else:
-            master = self.store.allocate(f"c{c.index}.master", shard.numel(), torch.float32,
-                                         Tier.DEVICE)
+            master = self.store.allocate(key(c.index, "master"), shard.numel(),
+                                         torch.float32, Tier.DEVICE)
             master.handle.copy_(shard)
             self.placer.register(master)
         self.placer.register(param)
         self.param.append(param)
         self.master.append(master)
         c.detach_params()
+
+    def _payload_sizes(self) -> list[int]:
+        """Bytes of each chunk's payloads to come: ``param`` (whole chunk, or this rank's
+        shard under zero 3) and, for a trained chunk, its fp32 shards (master, gradient)."""
+        item = self.dtype.itemsize
+        sizes = [(c.padded if self.stage == 2 else c.shard_size) * item for c in self.chunks]
+        if self.training:
+            sizes += [c.shard_size * 4 for c in self.chunks if not c.frozen]
+        return sizes
 
     def _param_is_master(self) -> bool:
         """One payload serves as parameters and fp32 master when they hold the same values:
@@ -275,7 +298,7 @@ class ChunkGradSync(GradSync):
             c.point_params_at(param.handle)
             return
         self.placer.make_room(Tier.DEVICE, c.padded * param.handle.element_size())
-        work = self.store.allocate(f"c{i}.whole", c.padded, self.dtype, Tier.DEVICE,
+        work = self.store.allocate(self.table.key(i, "whole"), c.padded, self.dtype, Tier.DEVICE,
                                    persistent=False)  # (padded,)
         self.ctx.comm.all_gather(work.handle, param.handle, group=self.ctx.dp_group)
         self._working[i] = work

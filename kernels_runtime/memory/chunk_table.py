@@ -39,6 +39,7 @@ class ChunkTable:
     states: list[dict[str, Payload]] = field(default_factory=list)  # the optimizer's, by name
     grad_homes: list[Tier] | None = None  # static placement only
     host_left: list[float] | None = None  # host bytes the optimizer's states may still take
+    prefix: str = ""  # of payload keys: two tables may share one store and placer (under ep)
 
     def __post_init__(self) -> None:
         self.grad = [None] * len(self.chunks)
@@ -51,6 +52,11 @@ class ChunkTable:
     @property
     def dp_rank(self) -> int:
         return self.ctx.dp_rank
+
+    def key(self, i: int, kind: str) -> str:
+        """The store's and placer's name of chunk ``i``'s ``kind`` payload (``param``,
+        ``grad``, ``master``, an optimizer state's name, ``whole``)."""
+        return f"{self.prefix}c{i}.{kind}"
 
     def is_whole(self, i: int) -> bool:
         """The ``param`` payload is the whole chunk (zero 2, or a single dp rank)."""

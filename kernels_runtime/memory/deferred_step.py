@@ -22,6 +22,7 @@ on the order of use, and everything else gains nothing from waiting.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -49,6 +50,7 @@ class DeferredSteps:
         self._deferred_groups: list[dict] = []  # hyperparameters at the step() call
         self._deferred_scale: torch.Tensor | float | None = None
         self.deferred_steps = 0  # chunk steps run deferred (cumulative)
+        self.seconds = 0.0  # in the deferred chunk steps (cumulative; the bench's timeline)
 
     def defers(self, i: int) -> bool:
         """Chunk ``i``'s step waits for its next use (module docstring: static placement,
@@ -101,7 +103,9 @@ class DeferredSteps:
                 i = self._deferred.pop(0)
                 if len(self._deferred) >= WINDOW:
                     self.prefetch_step(self._deferred[WINDOW - 1])
+                start = time.perf_counter()
                 self._step_chunk(inner, i, self._deferred_scale, gathering and i == upto)
+                self.seconds += time.perf_counter() - start
                 self.deferred_steps += 1
                 if i == upto:
                     break

@@ -16,26 +16,33 @@ parameters, so a block's forward gathers its dense chunks and its expert chunks 
 sets of hooks, each sync's collectives on its own group in the same order on every rank. The
 experts' backward already scales their gradients by 1/ep (``set_expert_grad_scale``), so the
 expert-data average is the mean over dp that the dense chunks get. One inner optimizer (the
-user's class over both syncs' masters) steps both, each sync stepping its own chunks.
+user's class over both syncs' masters) steps both, each sync stepping its own chunks. Under tp
+both kinds hold tp shards (the experts' split over tp too) and chunk them by their layouts, as
+the chunk sync does without ep.
 
-Each sync has its own tier store, spill sub-folder and placement. Static shares apply to each
-kind's own chunks alike, so the sum is the plan's share; ``host_mem`` is split between the two
-in proportion to their chunks' bytes (beyond it, disk). What is refused (``Plan.validate``):
-``offload=auto`` and ``device_mem`` (two placers evicting by their own trace, each reserving
-the step's activations, would not share one device budget), and ``parallelize_model`` without
-an optimizer.
+Both syncs place their payloads through one tier store, one ``Placer`` and one activation
+reserve (the dense sync's; the expert sync's payload keys carry the prefix ``e.``), because the
+rank has one device and one host: ``device_mem`` and ``host_mem`` are budgets of the rank, not
+of a kind. Under ``offload=auto`` a gathered expert chunk may evict a dense one and the other
+way round, Belady's rule choosing over both kinds by one trace (the touches of both syncs in
+the order they happen; before the first step, each unit's dense then expert chunks:
+``chunk_placement.predicted_keys``). The floors a budget must hold count a unit's chunks of
+both kinds (its forward gathers both), the reserve is measured once per micro-batch, and the
+step's end (trace, reserve, telemetry, counters) runs once, after both syncs stepped. Static
+shares apply to each kind's own chunks alike, so the sum is the plan's share; ``host_mem`` is
+split between the two in proportion to their chunks' bytes (beyond it, disk). Refused
+(``offload.check``): ``parallelize_model`` without an optimizer.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
+from kernels_runtime.memory.chunk_placement import predicted_keys, set_floors
 from kernels_runtime.memory.chunk_sync import ChunkGradSync
-from kernels_runtime.memory.tiers import TierStore
+from kernels_runtime.memory.placement import Trace
+from kernels_runtime.memory.tiers import Payload, TierStore
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.shards import ParamLayout
 from kernels_runtime.optim import GradShard, GradSync, StatePiece
@@ -47,6 +54,8 @@ from kernels_runtime.parallel.expert.grad_sync import (
 from kernels_runtime.parallel.expert.layouts import on_expert_data
 from kernels_runtime.parallel.expert.moe_layer import is_expert_parameter
 
+EXPERT_PREFIX = "e."  # of the expert sync's payload keys in the shared store and placer
+
 
 class ExpertChunkSync(GradSync):
     """``ChunkGradSync`` over dp for non-expert parameters and over expert-dp for experts."""
@@ -54,8 +63,8 @@ class ExpertChunkSync(GradSync):
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
         layouts: dict[str, ParamLayout], *, blocks: list[nn.Module], zero_stage: int,
-        precision: str, make_store: Callable[[str], TierStore], placer_args: dict,
-        chunk_mb: float = 32.0, replaced: dict[int, nn.Parameter] | None = None,
+        precision: str, store: TierStore, placer_args: dict, chunk_mb: float = 32.0,
+        replaced: dict[int, nn.Parameter] | None = None,
     ) -> None:
         self.ctx, self.expert_ctx = ctx, expert_data_context(ctx)
         dense_opt, expert_opt = split_optimizer(optimizer, replaced or {})
@@ -64,10 +73,14 @@ class ExpertChunkSync(GradSync):
         experts = ParamView(model, is_expert_parameter)
         names = {n for n, _ in experts.named_parameters()}
         self.dense = ChunkGradSync(ParamView(model, lambda p: not is_expert_parameter(p)),
-                                   dense_opt, ctx, layouts, store=make_store("dense"), **settings)
+                                   dense_opt, ctx, layouts, store=store, **settings)
+        self.store, self.placer = store, self.dense.placer  # one placement for the rank
         self.experts = None if expert_opt is None else ChunkGradSync(
-            experts, expert_opt, self.expert_ctx, on_expert_data(layouts, names),
-            store=make_store("experts"), **settings)
+            experts, expert_opt, self.expert_ctx, on_expert_data(layouts, names), store=store,
+            placer=self.placer, activations=self.dense.activations, prefix=EXPERT_PREFIX,
+            **settings)
+        if self.experts is not None:
+            self._share_placement(self.dense, self.experts)
         # released parameters are empty: their shapes live here (experts on the plan's mesh)
         self.layouts = dict(self.dense.layouts)
         self.layouts.update({n: layouts[n] for n in names if n in layouts})
@@ -76,6 +89,21 @@ class ExpertChunkSync(GradSync):
 
     def syncs(self) -> list[ChunkGradSync]:
         return [self.dense] if self.experts is None else [self.dense, self.experts]
+
+    def _share_placement(self, dense: ChunkGradSync, experts: ChunkGradSync) -> None:
+        """The placer both syncs use predicts, floors and spills for both (module docstring):
+        each sync set it up for its own chunks alone."""
+        self.placer.trace = Trace(predicted_keys([(dense.units, dense.chunks, ""),
+                                                  (experts.units, experts.chunks,
+                                                   EXPERT_PREFIX)]))
+        set_floors(dense.table, dense.training, experts.table)
+        self.placer.check_budgets()
+
+        def before_spill(payload: Payload) -> None:  # a gradient's norm, whichever sync's
+            dense.reducer.before_spill(payload)
+            experts.reducer.before_spill(payload)
+
+        self.placer.before_spill = before_spill
 
     # ---- placement -----------------------------------------------------------------------
     def place_homes(self, fractions: dict[str, float], host_budget: int | None) -> None:
@@ -92,23 +120,14 @@ class ExpertChunkSync(GradSync):
             s.place_homes(fractions, share)
 
     def tier_bytes(self) -> dict[str, int]:
-        parts = [s.tier_bytes() for s in self.syncs()]
-        return {k: sum(p[k] for p in parts) for k in parts[0]}
+        """The rank's bytes per tier (the one store both syncs place in)."""
+        return self.dense.tier_bytes()
 
     @property
     def last_step(self) -> dict:
-        """Both syncs' figures of the last step: moved bytes, evictions and waits summed;
-        peaks summed too (each store's own peak: an upper bound of the rank's)."""
-        out: dict = {}
-        for s in self.syncs():
-            for key, value in s.last_step.items():
-                if key == "moved":
-                    moved = out.setdefault("moved", {})
-                    for pair, n in value.items():
-                        moved[pair] = moved.get(pair, 0) + n
-                else:
-                    out[key] = out.get(key, 0) + value
-        return out
+        """The last step's figures of the rank (moved bytes, evictions, waits, peaks): the
+        shared store's, taken once both syncs stepped."""
+        return self.dense.last_step
 
     @property
     def optimizer_seconds(self) -> float:
@@ -125,10 +144,8 @@ class ExpertChunkSync(GradSync):
         return [d + e for d, e in zip(self.dense.master_groups(), self.experts.master_groups())]
 
     def micro_batch(self):  # noqa: ANN201 - a context manager
-        stack = contextlib.ExitStack()
-        for s in self.syncs():
-            stack.enter_context(s.micro_batch())
-        return stack
+        """The shared activation reserve measures the micro-batch once (``auto``)."""
+        return self.dense.micro_batch()
 
     def prepare_backward(self, sync: bool) -> None:
         for s in self.syncs():
@@ -164,15 +181,11 @@ class ExpertChunkSync(GradSync):
 
     def optimizer_step(self, inner: torch.optim.Optimizer) -> None:
         """Each sync steps its chunks with the one inner optimizer (only the master being
-        stepped has a gradient); telemetry then shows both syncs' figures together."""
-        telemetry = self.ctx.telemetry
-        before = telemetry.offload  # each sync records its own step: one record of both
+        stepped has a gradient), then the shared placement ends the step once (trace,
+        reserve, telemetry: one record of the rank)."""
         for s in self.syncs():
-            s.optimizer_step(inner)
-        telemetry.offload = before
-        last = self.last_step
-        telemetry.record_offload(self.tier_bytes(), last.get("moved", {}),
-                                 last.get("evictions", 0), last.get("wait_seconds", 0.0))
+            s.stepper.step_chunks(inner)
+        self.dense.stepper.end_step()
 
     def publish(self) -> None:
         for s in self.syncs():

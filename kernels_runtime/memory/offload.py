@@ -23,7 +23,6 @@ from kernels_runtime.comm.accelerator import Accelerator
 from kernels_runtime.memory.chunk_sync import ChunkGradSync
 from kernels_runtime.memory.disk import DiskStore
 from kernels_runtime.memory.expert_chunks import ExpertChunkSync
-from kernels_runtime.memory.host_malloc import return_freed_memory
 from kernels_runtime.memory.spill import SpillDir, spill_root
 from kernels_runtime.memory.tiers import TierStore
 from kernels_runtime.parallel.state import ParallelState
@@ -51,7 +50,6 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     if plan.offload == "none":
         return model
     ctx = state.ctx.fold_sp()
-    return_freed_memory()  # chunk-sized buffers come and go all step (host_malloc.py)
     accelerator = Accelerator.for_backend(dist.get_backend())
     folder = _model_folder(state.spill_dir, ctx.rank) if _may_spill(plan) else None
     store = _store(accelerator, folder, ctx, plan)
@@ -63,18 +61,15 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
                      "host_budget": plan.host_mem},
         chunk_mb=chunk_mb(state.chunk_mb, device_budget, plan.host_mem),
         replaced=state.replaced_params)
-    if plan.ep > 1:  # non-expert chunks over dp, expert ones over expert-dp
-        sync = ExpertChunkSync(model, state.optimizer, ctx, state.layouts,
-                               make_store=lambda kind: _store(accelerator, _sub(folder, kind),
-                                                              ctx, plan), **settings)
-        stores = [s.store for s in sync.syncs()]
+    if plan.ep > 1:  # non-expert chunks over dp, expert ones over expert-dp: one placement
+        sync = ExpertChunkSync(model, state.optimizer, ctx, state.layouts, store=store,
+                               **settings)
     else:
         sync = ChunkGradSync(model, state.optimizer, ctx, state.layouts, store=store,
                              **settings)
-        stores = [store]
     sync.spill_folder = folder
     if folder is not None:  # the model's files go with it (its rank's folder at exit)
-        weakref.finalize(sync, _remove, stores, folder)
+        weakref.finalize(sync, _remove, store, folder)
     if plan.offload == "static":
         sync.place_homes({"params": plan.offload_params, "grads": plan.offload_grads,
                           "optim": plan.offload_optim}, plan.host_mem)
@@ -125,17 +120,8 @@ def _model_folder(spill_dir: str | None, rank: int) -> Path:
     return folder
 
 
-def _sub(folder: Path | None, kind: str) -> Path | None:
-    """A sub-folder of the model's spill folder (one per store of an expert-parallel model)."""
-    if folder is None:
-        return None
-    (folder / kind).mkdir(mode=0o700)
-    return folder / kind
-
-
-def _remove(stores: list[TierStore], folder: Path) -> None:
-    for store in stores:
-        store.close()
+def _remove(store: TierStore, folder: Path) -> None:
+    store.close()
     shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -150,7 +150,7 @@ def _check_experts(plan: Plan) -> None:
         raise PlanError(f"ep={plan.ep} with sp={plan.sp} is not available yet: expert groups "
                         "are carved out of dp alone; use sp=1 (or ep=1)")
     works = (f"ep={plan.ep} composes with dp, zero 0-3, tp (1d), pp (any schedule), ckpt and "
-             "offload=static")
+             "offload (static or auto)")
     if plan.sp_mode != "none":
         raise PlanError(f"ep={plan.ep} with sp_mode={plan.sp_mode} is not available yet: the "
                         "experts of a tp group expect the same tokens on every tp rank, and "
@@ -160,20 +160,6 @@ def _check_experts(plan: Plan) -> None:
         raise PlanError(f"ep={plan.ep} with tp_mode={plan.tp_mode} is not available yet: the "
                         f"experts split over a 1D tp group only; {works}: use tp_mode=1d "
                         f"(e.g. 'ep={plan.ep} tp={plan.tp}')")
-    if plan.offload == "auto" or plan.device_mem is not None:
-        key = f"offload={plan.offload}" if plan.offload == "auto" else \
-            f"device_mem={format_bytes(plan.device_mem)}"
-        raise PlanError(f"ep={plan.ep} with {key} is not available yet: expert and non-expert "
-                        "state are placed by two placements, which cannot share one device "
-                        "budget; offload under ep is static shares (host, and disk beyond "
-                        "host_mem): use offload=static (e.g. "
-                        f"'ep={plan.ep} zero=2 offload=static offload_optim=1'), or use zero "
-                        f"instead (e.g. 'ep={plan.ep} zero=3')")
-    if plan.offload != "none" and plan.tp > 1:
-        raise PlanError(f"ep={plan.ep} with offload={plan.offload} and tp={plan.tp} is not "
-                        "available yet: offload under ep is tested with dp alone; use tp=1 "
-                        f"(e.g. 'ep={plan.ep} zero=2 offload=static offload_optim=1') or "
-                        "offload=none")
 
 
 def pipeline_chunks(plan: Plan) -> int:

@@ -9,6 +9,8 @@ uses for Mixtral and Qwen-MoE), and whether a dense shared expert runs beside th
 ``shared_expert``, scaled by ``sigmoid(shared_expert_gate(x))``). ``MOE_BLOCKS`` answers by the
 block's class name; ``moe_spec`` falls back to the generic reading (a ``gate`` and fused
 ``experts`` module) for a family not listed, so a new Mixtral-like model needs no entry.
+Blocks whose experts are an ``nn.ModuleList`` of MLPs (transformers 4, hand-written) have their
+own reader, ``moe_modulelist.py``.
 
 ``MOE_POLICY`` is the same families as a model policy (registered with the HF ones): LLaMA's
 attention and pipeline split points, a shared expert split as a gated MLP under tp, router and

@@ -25,7 +25,8 @@ def test_the_memory_benchmark_reports_its_ratios(capsys):
     else:
         assert physical is None and "skipped (not root)" in printed
     for words in ("disk, everything", "page cache bypassed", "aim <= 1.05", "aim >= 1.0x",
-                  "aim >= 25x", "host tier h=64 L=12"):
+                  "aim >= 25x", "host tier h=64 L=12", "step part (medians)",
+                  "waited for a CPU s"):
         assert words in printed
 
 

@@ -71,6 +71,11 @@ _MLP = {"gelu_new": 5.0, "gelu_fast": 5.0, "gelu": 2.0, "gelu_pytorch_tanh": 2.0
         "silu": 4.0}  # silu (gated): gate, up, silu(gate), product
 
 
+def mlp_values(activation: str) -> float:
+    """Values per token and MLP unit one MLP keeps for backward under ``activation``."""
+    return _MLP.get(activation, 5.0)
+
+
 def profile_for(spec: ModelSpec, sp_mode: str = "none") -> ActivationProfile:
     """The paper's counts for a described model (``attention=None``); otherwise the counts of
     the named attention implementation, MLP activation and dropout. On the sp axis the
@@ -85,7 +90,7 @@ def profile_for(spec: ModelSpec, sp_mode: str = "none") -> ActivationProfile:
         fused, core = True, qkv + (1 if sp_mode == "all_to_all" else 0)
     elif spec.gated and fused:
         core = qkv
-    mlp = _MLP.get(spec.activation, 5.0) * spec.ffn_size / spec.hidden
+    mlp = mlp_values(spec.activation) * spec.ffn_size / spec.hidden
     dropout = spec.dropout > 0
     # whole under tp, per norm: LayerNorm its input and output (the next product's input);
     # RMSNorm (gated families) an fp32 input (upcast), the normalized values and the output

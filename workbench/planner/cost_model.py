@@ -49,7 +49,8 @@ from workbench.planner.setting import CATEGORIES, TIERS, MemoryItem, Setting, Ti
 from workbench.planner.spec import ModelSpec
 
 MEMORY_TERMS: list[Callable[[Setting], list[MemoryItem]]] = [  # expert_terms: ep's split
-    expert_terms.model_states, memory.activations, pipeline.activations, memory.buffers]
+    expert_terms.model_states, memory.activations, expert_terms.activations,
+    pipeline.activations, expert_terms.buffers]
 TIME_TERMS: list[Callable[[Setting], list[TimeItem]]] = [
     timing.compute, timing.elementwise, timing.optimizer, timing.dp_comm,
     parallel_comm.tp_comm, parallel_comm.sp_comm, grid_comm.grid_comm, pipeline.pp_comm,
@@ -223,8 +224,9 @@ def plan_label(plan: Plan) -> str:
 
 def _check_shapes(plan: Plan, spec: ModelSpec) -> None:
     """What the runtime needs of the workload's shape beyond ``Plan.validate``'s model checks:
-    a sequence that splits evenly (ring attention's zig-zag layout: into 2*sp chunks), and
-    under Ulysses with tp whole heads per tp x sp rank."""
+    a sequence that splits evenly (ring attention's zig-zag layout: into 2*sp chunks), under
+    Ulysses with tp whole heads per tp x sp rank, and under ep experts tp splits evenly
+    (``expert_terms.check``)."""
     split = plan.sp * {"split_gather": plan.tp, "ring": 2}.get(plan.sp_mode, 1)
     if spec.seq % split:
         raise PlanError(f"sp_mode={plan.sp_mode} splits the sequence of {spec.seq} tokens "
@@ -235,6 +237,7 @@ def _check_shapes(plan: Plan, spec: ModelSpec) -> None:
         raise PlanError(f"sp_mode=all_to_all with tp={plan.tp} gives each tp rank "
                         f"{spec.heads // plan.tp} heads to split over sp={plan.sp}; choose tp*sp "
                         f"dividing the model's {spec.heads} heads, or sp_mode=ring")
+    expert_terms.check(plan, spec)
 
 
 def predict(plan: Plan | str, model: Any, hardware: HardwareProfile | str = "H100",

@@ -8,7 +8,9 @@ the hardware has a rate for, micro-batch counts dividing the per-rank batch, and
 checkpointing on or off. Pipelines (``pipeline_plans``) factor it into dp x pp x tp instead:
 pp over the divisors, with 1D tp (what the runtime's stages support), every schedule (gpipe,
 1f1b, interleaved with 2 or 4 chunks per rank, zbv) the model's blocks allow, at least pp
-micro-batches, ZeRO 0 or 1. Every
+micro-batches, ZeRO 0 or 1. A mixture of experts adds expert parallelism (``expert_search``):
+each plan ep composes with (no sp, no grid, no offload) again at every ep dividing its dp and
+the experts, and the text says why ep was chosen or not; a dense model never gets ep. Every
 candidate goes through ``Plan.validate`` (with the model's head counts) and the cost model;
 invalid ones are kept with the reason, those over the memory budget to explain what the budget
 excluded. Only when no plan fits without offload, offload plans (``offload_search``: static with
@@ -24,6 +26,8 @@ from typing import Any
 from kernels_runtime.mesh.plan import PRECISIONS, Plan, PlanError
 from workbench.planner.activations import profile_for
 from workbench.planner.cost_model import Prediction, plan_label, predict
+from workbench.planner.expert_search import expert_plans
+from workbench.planner.expert_search import explain as explain_ep
 from workbench.planner.grid import grid_shapes
 from workbench.planner.hardware import HardwareProfile, get_profile
 from workbench.planner.offload import layout as offload_layout
@@ -75,10 +79,20 @@ def _holds(spec: ModelSpec, replicas: int, dp: int | None) -> bool:
 
 def candidate_plans(world_size: int, spec: ModelSpec, precisions: tuple[str, ...],
                     max_microbatches: int = 16, dp: int | None = None,
-                    pp: int | None = None) -> list[Plan]:
+                    pp: int | None = None, ep: int | None = None) -> list[Plan]:
     """Every plan of the search space (validated later, one by one), only those with ``dp``
-    data-parallel replicas and ``pp`` pipeline stages if given. Layouts whose dp does not
-    divide a global batch are left out: they cannot hold the workload at all."""
+    data-parallel replicas, ``pp`` pipeline stages and ``ep`` expert-parallel ranks if given.
+    Layouts whose dp does not divide a global batch are left out: they cannot hold the
+    workload at all. A mixture of experts adds each plan at every ep it can take
+    (``expert_search``)."""
+    plans = _plans(world_size, spec, precisions, max_microbatches, dp, pp)
+    with_ep = expert_plans(plans, spec, ep)
+    return with_ep if ep is not None and ep > 1 else plans + with_ep
+
+
+def _plans(world_size: int, spec: ModelSpec, precisions: tuple[str, ...],
+           max_microbatches: int, dp: int | None, pp: int | None) -> list[Plan]:
+    """``candidate_plans`` at ep=1."""
     plans = pipeline_plans(world_size, spec, precisions, max_microbatches, dp) \
         if pp != 1 else []
     if pp is not None:
@@ -255,6 +269,7 @@ def recommend(
     top: int = 3,
     dp: int | None = None,
     pp: int | None = None,
+    ep: int | None = None,
     offload: bool = True,
     **workload: Any,
 ) -> Recommendation:
@@ -270,7 +285,9 @@ def recommend(
     strong-scaling question of the tensor-parallelism papers. (A 2.5D grid's depth is data
     parallelism over replicated weight blocks, so with dp free it competes with dp x 2D: the
     same blocks, gradients summed per micro-batch in the compute dtype instead of once per
-    step in fp32.) ``pp`` fixes the pipeline stages the same way (``pp=1``: no pipeline).
+    step in fp32.) ``pp`` fixes the pipeline stages the same way (``pp=1``: no pipeline), and
+    ``ep`` the expert-parallel ranks of a mixture of experts (searched over the divisors of dp
+    that divide the experts when not given; a dense model only has ep=1; ``expert_search``).
     When nothing fits, offload plans are tried (``offload=False``: not).
     Raises ``NoPlanFitsError`` naming the smallest need when nothing fits.
     """
@@ -285,12 +302,16 @@ def recommend(
             hw.forward_flops("fp16") <= hw.forward_flops("bf16"):
         precisions = tuple(p for p in precisions if p != "fp16")
         notes.append("fp16 left out: no faster than bf16 here, and it needs loss scaling")
+    if ep is not None and ep > 1 and not spec.experts:
+        raise PlanError(f"ep={ep} splits the experts of mixture-of-experts blocks, and this "
+                        "model description has none; give experts= and top_k= (an HF config's "
+                        "num_local_experts / num_experts_per_tok), or leave ep out")
     valid: list[Prediction] = []
     invalid: list[tuple[Plan, str]] = []
-    for name, value in (("dp", dp), ("pp", pp)):
+    for name, value in (("dp", dp), ("pp", pp), ("ep", ep)):
         if value is not None:
             notes.append(f"only plans with {name}={value} were considered")
-    for plan in candidate_plans(world_size, spec, precisions, max_microbatches, dp, pp):
+    for plan in candidate_plans(world_size, spec, precisions, max_microbatches, dp, pp, ep):
         try:
             valid.append(predict(plan, spec, hw, world_size))
         except PlanError as err:
@@ -309,7 +330,9 @@ def recommend(
                 f"smallest need is {smallest.peak_bytes / GB:.3g} GB per rank, by "
                 f"{_line(smallest, budget)}. Raise the budget, add ranks, shorten the sequence "
                 "or the batch, or allow offload.", smallest)
-        tried, refused = offload_plans(valid, spec, hw, world_size, budget)
+        # ep=1 bases only: the offload terms count the dense layout (expert_search docstring)
+        tried, refused = offload_plans([p for p in valid if p.plan.ep == 1], spec, hw,
+                                       world_size, budget)
         invalid += refused
         fits = sorted((p for p in tried if p.peak_bytes <= budget),
                       key=lambda p: (p.step_time, p.peak_bytes))
@@ -326,4 +349,6 @@ def recommend(
             "parameters, gradients and optimizer states that fit, or offload=auto with "
             "device_mem = the budget less activations; they pay for PCIe moves, host Adam and "
             "disk I/O in step time")
+    why_ep = explain_ep(fits[0], fits, over, invalid, spec, budget)
+    notes += [why_ep] if why_ep else []
     return Recommendation(fits, over, invalid, budget, hw, spec, world_size, top, notes)

@@ -7,9 +7,14 @@ The plan's ``ep`` carves groups of ep adjacent data-parallel ranks out of dp (``
   their experts' ranks, the local experts, and the combine back (dropless: no token dropped).
 - ``dispatch_comms.py``: the variable-split all-to-all those use, with its reverse as backward,
   and the exchange of row counts before it.
+- ``expert_compute.py``: the local experts' SwiGLU MLPs, two grouped GEMMs on a GPU that runs
+  them, a loop elsewhere (training's ``LocalExperts`` and the engine's ``ServedExperts``).
 - ``moe_layer.py``: ``ExpertParallelMoE``, a transformers sparse-MoE block (Mixtral, Qwen2-MoE
   with its shared expert, Qwen3-MoE; read through ``policies.moe``) holding only this rank's
   experts.
+- ``modulelist_layer.py``: the same for a block whose experts are an ``nn.ModuleList`` behind a
+  router ``nn.Linear`` (read through ``policies.moe_modulelist``): each rank keeps its expert
+  modules themselves, under the plain model's names.
 - ``applier.py``: the expert applier (which plans and models it runs, and the swap).
 - ``data_step.py``, ``grad_sync.py``, ``zero3.py``: the data applier's step under ep: replicas
   made equal per group, non-expert gradients reduced over dp and expert ones over expert-dp

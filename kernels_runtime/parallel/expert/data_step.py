@@ -5,16 +5,17 @@ applier itself. With ep > 1 two things differ from it. Replicas are made equal p
 parameter: non-expert parameters (and buffers) from the first rank of each dp group, expert
 slices from the first rank of each expert-data group, since the ranks of an ep group hold
 different experts under the same names and shapes (a dp-wide broadcast would silently copy
-rank 0's experts everywhere). And training reduces each kind over its own group
-(``ExpertGradSync`` under zero 0-2, ``zero3.py`` under zero 3, and under offload the
-offload applier's ``ExpertChunkSync``).
+rank 0's experts everywhere; a model ``to_be_loaded`` gets zeros where it is still on meta,
+as the data applier gives it, for ``load_pretrained`` to fill). And training reduces each
+kind over its own group (``ExpertGradSync`` under zero 0-2, ``zero3.py`` under zero 3, and
+under offload the offload applier's ``ExpertChunkSync``).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from kernels_runtime.deferred_params import move_real
+from kernels_runtime.deferred_params import allocate, move_real, to_be_loaded
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.parallel.data import applier as data
 from kernels_runtime.parallel.data.replicated import ReplicatedState
@@ -43,9 +44,11 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
     if plan.ep == 1:
         return data.apply(model, state)
     move_real(model, ctx.device)
-    sync_replicas(model, ctx)
+    sync_replicas(model, ctx)  # meta parameters are skipped: a loader fills every rank
     set_expert_grad_scale(model, plan.ep)
     offloading = plan.offload != "none"
+    if to_be_loaded(model) and not offloading and plan.zero_stage != 3:
+        allocate(model.parameters(), ctx.device)  # zeros, filled by checkpoint.pretrained
     if offloading:
         pass  # the offload applier lays both kinds out in chunks (memory/expert_chunks.py)
     elif plan.zero_stage == 3:

@@ -11,8 +11,9 @@ the ep ranks of a group each hold E/ep experts and their own tokens, and one ste
    exchanged and the rows sent with one variable-split all-to-all (``dispatch_comms.py``).
    Dropless: no capacity, no row dropped or padded.
 3. ``run_local_experts``: received rows come grouped by source rank, then by local expert;
-   they are regrouped by local expert and each expert runs on its rows (a loop; a grouped GEMM
-   is the device-side next step), then put back in arrival order.
+   they are regrouped by local expert and each expert runs on its rows (``expert_compute.py``:
+   two grouped GEMMs for all local experts on a GPU, a loop elsewhere), then put back in
+   arrival order.
 4. ``combine``: the reverse all-to-all returns each row to its token's rank, the sort is
    undone, and each token sums its k rows weighted by its routing weights.
 

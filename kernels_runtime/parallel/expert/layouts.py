@@ -41,7 +41,8 @@ def expert_layouts(model: nn.Module, ctx: ParallelContext) -> dict[str, ParamLay
     out = {}
     for path, module in model.named_modules():
         if isinstance(module, LocalExperts):
-            for name, layout in _slice_layouts(module).items():
+            own = getattr(module, "slice_layouts", None)  # module-list experts: whole tensors
+            for name, layout in (own() if own else _slice_layouts(module)).items():
                 out[f"{path}.{name}"] = replace(layout, replica=replica)
     return out
 

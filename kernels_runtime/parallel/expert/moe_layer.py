@@ -33,6 +33,7 @@ from kernels_runtime.comm.autograd import copy_to_group, reduce_from_group
 from kernels_runtime.comm.collectives import Collectives
 from kernels_runtime.comm.groups import Group
 from kernels_runtime.parallel.expert.dispatch import Routing, moe_forward
+from kernels_runtime.parallel.expert.expert_compute import expert_mlp
 from kernels_runtime.parallel.expert.router_stats import StageCarry
 from kernels_runtime.policies.moe import MoeSpec, moe_spec
 
@@ -65,7 +66,10 @@ class LocalExperts(nn.Module):
 
     ``grad_scale`` multiplies the weights' gradients (1 alone; the data step sets 1/ep, see
     ``grad_sync.py``). It is applied to the weights as used in forward, so it holds whatever
-    holds the parameters: flat buckets (zero 0-2) or gathered FSDP2 shards (zero 3)."""
+    holds the parameters: flat buckets (zero 0-2) or gathered FSDP2 shards (zero 3).
+
+    The experts' matmuls are ``expert_compute.expert_mlp``'s: two grouped GEMMs over all local
+    experts on a GPU that runs them, else a loop (``path`` "auto"; "grouped" or "loop" forces)."""
 
     def __init__(self, experts: nn.Module, rank: int, ep: int, comm: Collectives | None = None,
                  tp_group: Group | None = None) -> None:
@@ -97,6 +101,7 @@ class LocalExperts(nn.Module):
             setattr(param, EXPERT_ATTR, True)
         self.act_fn = experts.act_fn
         self.grad_scale = 1.0
+        self.path = "auto"  # expert_compute's choice; "grouped" or "loop" forces one
 
     def forward(self, chunks: list[Tensor]) -> list[Tensor]:
         """Each local expert on its rows, Mixtral's SwiGLU MLP: [(m_e, h)] -> [(m_e, h)]. Every
@@ -106,16 +111,14 @@ class LocalExperts(nn.Module):
             gate_up_proj = _ScaleGrad.apply(gate_up_proj, self.grad_scale)
             down_proj = _ScaleGrad.apply(down_proj, self.grad_scale)
         sizes = [rows.shape[0] for rows in chunks]
+        rows = torch.cat(chunks)  # (n, h) sorted by local expert
         if self.tp > 1:  # f: one all-reduce of the rows' gradients in backward
-            chunks = list(copy_to_group(torch.cat(chunks), self.comm, self.tp_group).split(sizes))
-        out = []
-        for index, rows in enumerate(chunks):
-            gate_up = nn.functional.linear(rows, gate_up_proj[index])  # (m, 2I/tp)
-            gate, up = gate_up.chunk(2, dim=-1)  # (m, I/tp) each
-            out.append(nn.functional.linear(self.act_fn(gate) * up, down_proj[index]))  # (m, h)
+            rows = copy_to_group(rows, self.comm, self.tp_group)
+        # grouped GEMMs on a GPU, else a loop (``expert_compute.py``)
+        out = expert_mlp(rows, sizes, gate_up_proj, down_proj, self.act_fn, self.path)  # (n, h)
         if self.tp > 1:  # g: this rank's partial sums, added over tp
-            out = list(reduce_from_group(torch.cat(out), self.comm, self.tp_group).split(sizes))
-        return out
+            out = reduce_from_group(out, self.comm, self.tp_group)
+        return list(out.split(sizes))
 
 
 def _spec_of(block: nn.Module) -> MoeSpec:

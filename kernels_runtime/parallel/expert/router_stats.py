@@ -7,21 +7,27 @@ compute a part of it alone. The way chosen here: each stage adds its own layers'
 the ones the previous stage sent, and passes them on packed behind the activation, in the one
 tensor stages exchange (``StageCarry``):
 
-    [hidden (b*s*h) | probability per expert (E) | rows routed to each expert (E) | rows (1)]
+    [hidden (b*s*h) | probabilities (E) | exact sums: probabilities (E), rows routed to each
+     expert (E), rows (1), as float32 bytes (4 * (2E + 1) bytes in activation-dtype elements)]
 
 so the last stage holds the sums over every layer and computes the loss there
 (``stage_aux_loss``), joined over dp as ``load_balancing_loss`` does. The probabilities keep
 their graph: the loss's gradient with respect to an earlier stage's probabilities comes back in
 the activation's gradient like any other, and reaches that stage's routers and everything
-before them. The counts and row totals carry no gradient (zeros come back for them). The loss
-is per micro-batch, as HF computes it per forward call.
+before them (through the probabilities in the activation's dtype: the receiver takes the
+exact sums' value and that slot's gradient path). The counts and row totals carry no gradient
+(zeros come back for them). The loss is per micro-batch, as HF computes it per forward call.
 
 Rejected: an all-reduce of the counts over pp (a collective in the middle of the schedule's
 point-to-point order, reached by the stages at different times), and Megatron's per-layer
 auxiliary loss added to the activation's gradient (a different loss from HF's).
 
-Precision: the sums travel in the activation's dtype; under bf16 a count above 256 rounds (the
-loss is then as approximate as the rest of a bf16 step).
+Precision: the sums travel exactly, whatever the activation's dtype: their float32 bits are
+reinterpreted as that dtype's elements, a copy that no arithmetic touches (point-to-point sends
+move bytes). Cast to bf16 instead, a count above 256 would round (spacing 2 up to 512, 4 up to
+1024...) and a probability sum lose all but 8 bits, so a bf16 run's auxiliary loss would differ
+from the one computed from the same router logits by about 1e-3. Counts stay exact in float32
+up to 2^24 rows per expert per forward.
 """
 
 from __future__ import annotations
@@ -83,22 +89,42 @@ class StageCarry:
         self.counts = self.counts.to(counts.device) + counts.detach()
         self.rows = self.rows.to(rows.device) + rows.detach()
 
+    def _exact_width(self, dtype: torch.dtype) -> int:
+        """Elements of ``dtype`` that hold the 2E + 1 float32 sums' bytes."""
+        return -(-4 * (2 * self.num_experts + 1) // dtype.itemsize)
+
     def pack(self, hidden: Tensor) -> Tensor:
-        """A stage's output: its activation (b, s, h) flat, then its sums (2E + 1)."""
-        sums = torch.cat([self.probs, self.counts, self.rows.reshape(1)]).to(hidden.dtype)
-        return torch.cat([hidden.reshape(-1), sums])  # (b*s*h + 2E + 1,)
+        """A stage's output: its activation (b, s, h) flat, its probability sums in its dtype
+        (E, the gradient's way back), then every sum's float32 bytes (exact)."""
+        device, dtype = hidden.device, hidden.dtype
+        exact = torch.cat([self.probs.detach().to(device), self.counts.to(device),
+                           self.rows.reshape(1).to(device)]).float()  # (2E+1,)
+        raw = exact.view(torch.uint8)  # (4(2E+1),) its bits
+        raw = torch.cat([raw, raw.new_zeros(self._exact_width(dtype) * dtype.itemsize
+                                            - raw.numel())])  # padded to whole elements
+        return torch.cat([hidden.reshape(-1), self.probs.to(device, dtype),
+                          raw.view(dtype)])  # (b*s*h + E + width,)
 
     def unpack(self, incoming: Tensor, like: Tensor) -> Tensor:
         """The previous stage's sums become this forward's start; returns the activation,
         shaped as ``like`` (the placeholder the first block was called with)."""
         n, e = like.numel(), self.num_experts
-        if incoming.dim() != 1 or incoming.numel() != n + 2 * e + 1:
+        width = self._exact_width(incoming.dtype)
+        if incoming.dim() != 1 or incoming.numel() != n + e + width:
             raise RuntimeError(f"a pipeline stage received {tuple(incoming.shape)}, not an "
-                               f"activation of {n} values followed by {2 * e + 1} router sums; "
-                               "every stage of an expert-parallel pipeline must carry them")
-        self.probs = incoming[n:n + e].float()  # keeps the graph back to the sender
-        self.counts = incoming[n + e:n + 2 * e].detach().float()
-        self.rows = incoming[-1].detach().float()
+                               f"activation of {n} values followed by {e + width} values of "
+                               "router sums; every stage of an expert-parallel pipeline must "
+                               "carry them")
+        carried = incoming[n:n + e].float()  # (E,) rounded, but the graph back to the sender
+        raw = incoming[n + e:].detach().clone().view(torch.uint8)  # clone: offset 0, aligned
+        exact = raw[:4 * (2 * e + 1)].view(torch.float32)  # (2E+1,) the sender's bits
+        # the exact value, the gradient through ``carried`` less its mean: each token's
+        # probabilities sum to 1, so the mean is lost in the routers' softmax anyway, and it is
+        # most of the loss's gradient (about the same for every expert); sent without it, the
+        # part that matters keeps its precision in a bf16 gradient (measured 7e-2 -> 2e-3)
+        centered = carried - carried.mean()  # (E,)
+        self.probs = exact[:e] + (centered - centered.detach())  # (E,)
+        self.counts, self.rows = exact[e:2 * e], exact[-1]
         return incoming[:n].view(like.shape)  # (b, s, h)
 
     def loss(self) -> Tensor:

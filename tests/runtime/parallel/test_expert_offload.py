@@ -11,8 +11,10 @@ each sync's own group: the part of the reference this rank holds), the global gr
 and the final parameters as a checkpoint writes them, all within 1e-5 relative L2; and model
 state really lived on the host (or, beyond ``host_mem=0``, on disk). Zero 2 and 3 on 2 ranks in
 the fast tier (there the expert-data group is one rank); on 4 ranks (expert-data groups of 2,
-whose collectives then run) in the full tier. Refusals: ``offload=auto`` and ``device_mem``, tp
-beside it, and ``parallelize_model`` without an optimizer, each saying what to use instead.
+whose collectives then run) in the full tier, as is ep=2 beside tp=2. Plans: ``offload=auto``,
+``device_mem`` and tp beside offload validate under ep (automatic placement under a budget:
+``test_expert_offload_auto.py``), a pipeline beside offload is refused; ``parallelize_model``
+without an optimizer is refused, saying what to use instead.
 """
 
 from __future__ import annotations
@@ -99,30 +101,35 @@ def test_ep2_with_state_offloaded_trains_like_one_process(ranks, plan):
 
 
 FULL = [("mixtral", f"ep=2 zero=2 {OFFLOAD}"), ("mixtral", f"ep=2 zero=3 {OFFLOAD}"),
-        ("mixtral", f"ep=2 zero=3 {DISK}"), ("qwen2_moe", f"ep=2 zero=2 {DISK}")]
+        ("mixtral", f"ep=2 zero=3 {DISK}"), ("qwen2_moe", f"ep=2 zero=2 {DISK}"),
+        ("mixtral", f"ep=2 tp=2 zero=2 {OFFLOAD}"), ("qwen2_moe", f"ep=2 tp=2 zero=3 {DISK}")]
 
 
 @pytest.mark.full
 @pytest.mark.parametrize("family, plan", FULL, ids=[
-    f"{f}-{p.split()[1]}-{'disk' if 'host_mem' in p else 'host'}" for f, p in FULL])
+    f"{f}-{'-'.join(p.split()[1:p.split().index('offload=static')])}-"
+    f"{'disk' if 'host_mem' in p else 'host'}" for f, p in FULL])
 def test_ep2_over_four_ranks_with_state_offloaded_trains_like_one_process(ranks, family, plan):
     """dp=4 ep=2: the experts' chunks are reduce-scattered and gathered over an expert-data
     group of 2 ranks (on 2 ranks that group is one rank and moves nothing); Qwen2-MoE's
-    shared expert is a non-expert parameter."""
+    shared expert is a non-expert parameter. ep=2 tp=2 (dp=2): both kinds of chunk hold tp
+    shards (attention, shared expert, each expert split over tp), chunked by their layouts."""
     _assert_close(ranks(4).run(_train_on_rank, plan, family, timeout_s=180))
 
 
-def test_plan_explains_what_offload_under_ep_does_not_do_yet():
+def test_plan_takes_offload_under_ep_and_explains_what_it_does_not_do_yet():
+    """Static and automatic placement, budgets and tp beside offload validate under ep; a
+    pipeline beside offload is refused as it is without ep."""
     from kernels_runtime.mesh.plan import Plan, PlanError
 
-    assert Plan.parse(f"ep=2 zero=2 {OFFLOAD}").validate(2).ep == 2
-    for plan, world, key in (("ep=2 zero=3 offload=auto", 2, "offload=auto"),
-                             ("ep=2 zero=2 offload=static offload_optim=1 device_mem=1GiB", 2,
-                              "device_mem=1"),
-                             (f"ep=2 tp=2 zero=2 {OFFLOAD}", 4, "offload=static and tp=2")):
-        with pytest.raises(PlanError, match=rf"ep=2 with {key}.*not available yet.*offload="
-                                            r"(static|none)"):
-            Plan.parse(plan).validate(world)
+    for plan, world in ((f"ep=2 zero=2 {OFFLOAD}", 2), ("ep=2 zero=3 offload=auto", 2),
+                        ("ep=2 zero=2 offload=auto device_mem=1GiB host_mem=1GiB", 2),
+                        ("ep=2 zero=2 offload=static offload_optim=1 device_mem=1GiB", 2),
+                        (f"ep=2 tp=2 zero=2 {OFFLOAD}", 4), ("ep=2 tp=2 zero=3 offload=auto", 4)):
+        assert Plan.parse(plan).validate(world).ep == 2
+    with pytest.raises(PlanError, match=r"offload with pipeline parallelism \(pp=2\) is not "
+                                        r"available yet: use pp=1 or offload=none"):
+        Plan.parse("ep=2 pp=2 zero=2 offload=auto").validate(4)
 
 
 def _inference_refused(rank: int, world: int) -> str:

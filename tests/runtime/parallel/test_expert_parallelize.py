@@ -17,7 +17,7 @@ stages (1F1B, with ckpt, zbv on 4 layers, and with tp=2 on 8 ranks): there each 
 micro-batch is one HF forward of the reference, its auxiliary loss HF's, reached through the
 router sums the stages carry (``stage_aux_loss``). Refusals: an ep that does not divide dp
 or the experts, ep on a dense model, and ep beside what it does not compose with yet
-(sp_mode, a tp grid, offload), each say what to choose instead.
+(sp_mode, a tp grid), each say what to choose instead.
 """
 
 from __future__ import annotations
@@ -332,8 +332,7 @@ def test_plan_explains_an_ep_that_does_not_fit():
     assert Plan.parse("ep=2 tp=2 pp=2 microbatches=2").validate(8).dp == 2
     for plan, world, key, instead in (
             ("ep=2 tp=4 tp_mode=2d", 8, "tp_mode=2d", "use tp_mode=1d"),
-            ("ep=2 tp=2 sp_mode=split_gather", 4, "sp_mode=split_gather", "remove sp_mode"),
-            ("ep=2 zero=3 offload=auto", 2, "offload=auto", "use zero instead")):
+            ("ep=2 tp=2 sp_mode=split_gather", 4, "sp_mode=split_gather", "remove sp_mode")):
         with pytest.raises(PlanError, match=rf"ep=2 with {key} is not available yet.*{instead}"):
             Plan.parse(plan).validate(world)
 
