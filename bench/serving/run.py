@@ -1,8 +1,8 @@
 """The serving endpoint under load, against calling the engine directly, in one run:
 
-64 concurrent streaming clients (asyncio + httpx, one connection each, all sent at once) against
-``%colossal serve``'s server on loopback in front of an engine on a real pool (``dp=<ranks>``
-replicas, GPT-2 shape, random weights, greedy), and the same 64 requests through
+64 concurrent streaming clients (``client.py``: asyncio, one connection each, all sent at
+once) against ``%colossal serve``'s server on loopback in front of an engine on a real pool
+(``dp=<ranks>`` replicas, GPT-2 shape, random weights, greedy), and the same 64 requests through
 ``engine.generate`` on the ranks with no HTTP in between. Every streamed request must come back
 whole: its streamed text equal, in order, to the decoding of what ``generate`` produced for
 it, with the token count it asked for (byte tokens, so every token is text). Printed:
@@ -13,7 +13,9 @@ two, medians with the min-max.
 ``--quick``: fewer, shorter requests on a smaller model (what the test runs).
 The per-token time split (``workbench/serving/profile.py``: rank loop, engine step, deltas,
 bridge, event loop, SSE write) is printed under the table; ``--no-profile`` runs without
-its timestamps.
+its timestamps. Printed too: the CPU seconds the serving process (uvicorn's loop, the bridge)
+and the load clients took per round, a figure the machine's load disturbs less than a rate:
+on a machine whose cores the ranks fill, what the server takes, the ranks lose.
 ``--soak SECONDS``: instead, 64 clients, some disconnecting and some malformed, against a real
 ``workbench serve`` for that long (``bench/serving/soak.py``); exit status 1 on any failure.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 from pathlib import Path
@@ -77,9 +80,13 @@ def workload(spec: dict) -> tuple[list[list[int]], list[int]]:
     return prompts, [rng.randint(*spec["output"]) for _ in range(spec["clients"])]
 
 
-async def _one(client: Any, url: str, key: str, prompt: list[int], n: int) -> dict:
-    body = {"model": "engine", "prompt": prompt, "max_tokens": n, "temperature": 0,
+def _body(prompt: list[int], n: int) -> dict:
+    return {"model": "engine", "prompt": prompt, "max_tokens": n, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def _one(client: Any, url: str, key: str, prompt: list[int], n: int) -> dict:
+    body = _body(prompt, n)
     import json
 
     start = time.perf_counter()
@@ -101,18 +108,35 @@ async def _one(client: Any, url: str, key: str, prompt: list[int], n: int) -> di
     return {"times": times, "text": text, "usage": usage}
 
 
-async def _load(url: str, key: str, prompts: list, lengths: list, timeout_s: float) -> dict:
-    import httpx
+async def _load(url: str, key: str, prompts: list, lengths: list, timeout_s: float,
+                client: str = "raw") -> dict:
+    """All the requests at once; ``client``: ``raw`` (``client.py``, what the figures use) or
+    ``httpx`` (a parsing client, several times the CPU: for comparison)."""
+    cpu = time.thread_time()  # the clients run in this thread: their CPU, apart from the server's
+    if client == "raw":
+        from urllib.parse import urlsplit
 
-    limits = httpx.Limits(max_connections=len(prompts))
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        from bench.serving.client import stream
+
+        where = urlsplit(url)
         start = time.perf_counter()
         results = await asyncio.wait_for(asyncio.gather(*[
-            _one(client, url, key, p, n) for p, n in zip(prompts, lengths)]), timeout_s)
-        return {"seconds": time.perf_counter() - start, "results": results}
+            stream(where.hostname, where.port, where.path, key, _body(p, n))
+            for p, n in zip(prompts, lengths)]), timeout_s)
+    else:
+        import httpx
+
+        limits = httpx.Limits(max_connections=len(prompts))
+        async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as http:
+            start = time.perf_counter()
+            results = await asyncio.wait_for(asyncio.gather(*[
+                _one(http, url, key, p, n) for p, n in zip(prompts, lengths)]), timeout_s)
+    return {"seconds": time.perf_counter() - start, "results": results,
+            "client_cpu": time.thread_time() - cpu}
 
 
-def run(spec: dict, ranks: int, rounds: int, profile: bool = True) -> dict:
+def run(spec: dict, ranks: int, rounds: int, profile: bool = True,
+        client: str = "raw") -> dict:
     from workbench.cells.execution import run_cell
     from workbench.pool.pool import Pool
     from workbench.serving.profile import ServingProfile
@@ -131,8 +155,12 @@ def run(spec: dict, ranks: int, rounds: int, profile: bool = True) -> dict:
             server = Server(pool, "engine", port=free_port(), api_key="bench",
                             profile=profile).start()
             try:
-                out["served"].append(asyncio.run(_load(
-                    server.url + "/completions", "bench", prompts, lengths, 600)))
+                cpu = time.process_time()
+                served = asyncio.run(_load(server.url + "/completions", "bench", prompts,
+                                           lengths, 600, client))
+                # this process's CPU but the clients': uvicorn's loop, the bridge, the watcher
+                served["server_cpu"] = time.process_time() - cpu - served["client_cpu"]
+                out["served"].append(served)
             finally:
                 server.stop()
             if server.profile is not None:
@@ -181,6 +209,12 @@ def report(out: dict, spec: dict, ranks: int) -> dict:
     ratio = [s / d for s, d in zip(served, direct)]
     print(f"served / direct throughput: {statistics.median(ratio):.2f} "
           f"({min(ratio):.2f}-{max(ratio):.2f}) (aim >= 0.9)")
+    server_cpu = [s["server_cpu"] for s in out["served"]]
+    client_cpu = [s["client_cpu"] for s in out["served"]]
+    print(f"CPU seconds per served round (the ranks share {os.cpu_count()} cores with it): "
+          f"serving process {spread(server_cpu, 2)} "
+          f"({statistics.median(server_cpu) / tokens * 1e6:.0f} us per token), load clients "
+          f"{spread(client_cpu, 2)}")
     split = out["profile"].summary()
     if split["tokens"]:
         print(f"where a streamed token's time goes (mean per token over {split['tokens']} "
@@ -188,7 +222,7 @@ def report(out: dict, spec: dict, ranks: int) -> dict:
               f"{split['latency_ms']:.2f} ms):")
         print_table(["part", "ms / token", "share"], profile_rows(split))
     return {"ratio": statistics.median(ratio), "complete": complete, "expected": expected,
-            "split": split}
+            "split": split, "server_cpu": statistics.median(server_cpu)}
 
 
 def main(argv: list[str]) -> dict:
@@ -198,6 +232,8 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--no-profile", action="store_true",
                         help="no per-token time split (no timestamps on the serving path)")
+    parser.add_argument("--client", choices=("raw", "httpx"), default="raw",
+                        help="the load client: raw (light, bench/serving/client.py) or httpx")
     parser.add_argument("--soak", type=float, default=None, metavar="SECONDS",
                         help="soak a real workbench serve for SECONDS (serving_soak.py)")
     parser.add_argument("--clients", type=int, default=64, help="with --soak: clients at once")
@@ -216,4 +252,5 @@ def main(argv: list[str]) -> dict:
         return out
     spec = dict(QUICK if args.quick else FULL)
     rounds = args.rounds or (1 if args.quick else 3)
-    return report(run(spec, args.ranks, rounds, not args.no_profile), spec, args.ranks)
+    return report(run(spec, args.ranks, rounds, not args.no_profile, args.client), spec,
+                  args.ranks)

@@ -7,15 +7,18 @@ host or disk under an offloading plan), a paged KV cache is sized from ``kv_mem`
 requests that reached the end of their tokens and retires the finished ones. LoRA adapters
 (``adapters={name: folder}``) ride on the base weights, so requests naming different adapters,
 or none, share every step (``adapters.py``). Requests with ``speculate`` on verify
-drafted tokens copied from their own context in the same forward (``speculation.py``).
+drafted tokens copied from their own context in the same forward (``speculation.py``), or
+drafted by a small ``draft_model`` of the same tokenizer (``draft.py``).
 Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) have their experts split over ep
 and tp ranks (``moe_plans.py``, ``moe.py``); the ep ranks of a group form one replica.
 
 Ranks of one replica (the tp x pp ranks sharing a dp coordinate) make the same calls with the
 same arguments and keep identical schedulers; only activations and the sampled tokens pass
-between them (the last pipeline stage broadcasts the tokens). Data-parallel replicas are
-independent engines: ``generate`` deals the prompts out over them (on CPUs, replicas often beat
-tensor parallelism) and gathers the results to every rank.
+between them (the last pipeline stage broadcasts the tokens). Under pp, each ``step()`` is one
+tick of a pipeline with a micro-batch of disjoint requests in flight on every stage
+(``pipelined.py``; ``pipeline_overlap=False`` runs the stages one after another). Data-parallel
+replicas are independent engines: ``generate`` deals the prompts out over them (on CPUs,
+replicas often beat tensor parallelism) and gathers the results to every rank.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from kernels_runtime.inference.adapters import AdapterSet
 from kernels_runtime.inference.attention import PagedLayer, install
 from kernels_runtime.inference.batch import StepBatch, build_batch
 from kernels_runtime.inference.blocks import BlockPool
+from kernels_runtime.inference.compiled import compile_runner
+from kernels_runtime.inference.draft import speculator
 from kernels_runtime.inference.kv_cache import PagedKVCache, blocks_for, bytes_per_block
 from kernels_runtime.inference.model_reading import attention_modules, eos_token_ids
 from kernels_runtime.inference.moe_plans import (
@@ -47,6 +52,7 @@ from kernels_runtime.inference.moe_plans import (
     split_experts,
 )
 from kernels_runtime.inference.params import RequestOutput, SamplingParams
+from kernels_runtime.inference.pipelined import overlap_steps
 from kernels_runtime.inference.plans import inference_plan, inference_problem
 from kernels_runtime.inference.requests import (
     RequestError,
@@ -59,7 +65,7 @@ from kernels_runtime.inference.runner import ModelRunner
 from kernels_runtime.inference.sampling import new_generator, sample, stop_check
 from kernels_runtime.inference.scheduler import ScheduledStep, Scheduler
 from kernels_runtime.inference.sequence import Sequence
-from kernels_runtime.inference.speculation import PromptLookup, target_tokens
+from kernels_runtime.inference.speculation import target_tokens
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.plan import Plan, PlanError
 from kernels_runtime.parallel.state import parallel_state
@@ -84,6 +90,8 @@ class Engine:
                  max_model_len: int | None = None, prefix_sharing: bool = True,
                  preemption: str = "recompute", seed: int = 0, spill_dir: str | None = None,
                  adapters: Mapping[str, str | os.PathLike] | None = None,
+                 draft_model: nn.Module | str | os.PathLike | None = None,
+                 pipeline_overlap: bool | None = None, compile_model: bool = False,
                  verbose: bool = True) -> None:
         from kernels_runtime.api import parallelize_model
 
@@ -128,9 +136,15 @@ class Engine:
         self.cache = PagedKVCache(shapes, num_blocks, block_size, dtype, self.ctx.device)
         self.runner.layers = install(attention, self.cache) if attention is not None \
             else [PagedLayer(self.cache, i) for i in range(len(shapes))]
+        if compile_model:  # torch.compile the forward: off by default (compiled.py)
+            compile_runner(self.runner)
         self.pool = BlockPool(num_blocks, block_size, prefix_sharing)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_batch_tokens, preemption)
-        self.speculation = PromptLookup(self.scheduler)  # requests with speculate=... only
+        # pp > 1: micro-batches in flight on every stage, unless pipeline_overlap=False
+        self.pipelined = overlap_steps(self, pipeline_overlap)  # (pipelined.py)
+        # requests with speculate=... only: prompt lookup, or a draft model (draft.py)
+        self.speculation = speculator(self.scheduler, draft_model, self.vocab, self.ctx.device,
+                                      dtype)
         self.eos = eos_token_ids(model)
         self.generator = torch.Generator().manual_seed(seed)
         self.sequences: dict[str, Sequence] = {}
@@ -206,6 +220,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One forward over the scheduled tokens; the outputs that changed (new tokens,
         finished, rejected or aborted requests)."""
+        if self.pipelined is not None:  # one tick of the overlapped pipeline
+            return self.pipelined.step()
         changed, self.rejected = self.rejected, []
         self.speculation.draft()  # drafted tokens ride in the decodes' chunks
         step = self.scheduler.schedule()

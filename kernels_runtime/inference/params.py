@@ -30,12 +30,14 @@ class SamplingParams:
     cut before it; needs a tokenizer). ``return_logits`` keeps each generated token's logits
     (float32, the whole vocabulary), for tests and inspection.
 
-    ``speculate`` turns on prompt-lookup speculative decoding for this request (``True``:
-    draft up to ``DEFAULT_DRAFT`` tokens a step; an integer: up to that many; ``False``/0:
-    off). Greedy tokens are exactly those without it, only fewer forwards compute them;
-    sampled ones are verified by rejection sampling, which keeps the distribution and draws
-    the generator as plain decoding does, so a seed gives the same tokens either way (up to
-    float noise between logits computed in one chunk and one token at a time).
+    ``speculate`` turns on speculative decoding for this request: prompt lookup, or the
+    engine's ``draft_model`` when it has one (``True``: draft up to ``DEFAULT_DRAFT`` tokens a
+    step; an integer: up to that many; ``False``/0: off). Greedy tokens are exactly those
+    without it, only fewer forwards compute them; sampled ones are verified by rejection
+    sampling, which keeps the distribution. Under prompt lookup it also draws the generator as
+    plain decoding does, so a seed gives the same tokens either way (up to float noise between
+    logits computed in one chunk and one token at a time); under a draft model a seed gives
+    tokens of the same distribution, not the same tokens (``rejection.py``).
     """
 
     max_new_tokens: int = 16

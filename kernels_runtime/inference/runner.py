@@ -5,8 +5,9 @@ heads (each rank's cache holds its heads), offloaded weights are gathered unit b
 forward reaches them, and a pipeline stage runs only its blocks (``parallel/pipeline/stage.py``):
 a stage receives the previous stage's hidden states, ends its forward at its last block and
 sends them on; the last stage computes the logits of the sampled positions only
-(``logits_to_keep``). Stages run one after another within a step; inference pipelines are for
-fitting a model, not for speed.
+(``logits_to_keep``). ``forward`` runs the stages one after another within a step;
+``stage_forward`` runs this stage's part alone, for ``pipelined.py`` to keep several
+micro-batches in flight, one on every stage.
 
 ``probe`` runs one token through the model once, with an attention function that records what
 each attention layer of this rank hands it (key/value heads, head size): the cache's shape
@@ -65,28 +66,54 @@ class ModelRunner:
         """This stage's part of the forward; without ``exchange`` (the probe) a later stage
         starts from zeros and nothing is sent."""
         def call() -> Any:
-            if self.config is None:  # a generic decoder: every position's logits, then kept
-                out = self.model(input_ids=ids, position_ids=positions)
-                return getattr(out, "logits", out)[:, keep]
-            return self.model(input_ids=ids, position_ids=positions, logits_to_keep=keep,
-                              use_cache=False).logits
+            return self._call(ids, positions, keep)
 
         if self.pipeline is None:
             return call()
         comm, group = self.ctx.comm, self.ctx.group("pp")
         incoming = None
         if self.prev_rank is not None:  # (1, T, h) from the stage before
-            incoming = torch.zeros(1, ids.shape[1], self.hidden, dtype=self.dtype,
-                                   device=self.ctx.device)
+            incoming = self.incoming_buffer(ids.shape[1])
             if exchange:
                 comm.recv(incoming, self.prev_rank, group)
+        out = self._run_stage(call, incoming)
+        if self.is_last:
+            return out
+        if exchange:
+            comm.send(out, self.next_rank, group)
+        return None
+
+    def _run_stage(self, call: Any, incoming: Tensor | None) -> Tensor:
+        """This stage's blocks from ``incoming`` (None: its own embeddings): the logits on the
+        last stage, else the (1, T, h) hidden states its last block hands on."""
         with self.pipeline.blocks.running(0, incoming, exits=not self.is_last):
             try:
                 return call()
             except StageExit as stop:
-                if exchange:
-                    comm.send(stop.output.to(self.dtype).contiguous(), self.next_rank, group)
-                return None
+                return stop.output.to(self.dtype).contiguous()
+
+    def incoming_buffer(self, tokens: int) -> Tensor:
+        """(1, T, h) zeros to receive the previous stage's hidden states of T tokens into."""
+        return torch.zeros(1, tokens, self.hidden, dtype=self.dtype, device=self.ctx.device)
+
+    def stage_forward(self, batch: StepBatch, incoming: Tensor | None) -> Tensor:
+        """This stage's part of ``batch`` with no exchange (the caller sends and receives:
+        ``pipelined.py`` keeps several batches in flight): from ``incoming``, the previous
+        stage's (1, T, h) (None on the first stage), the (1, T, h) hidden states to send on,
+        or on the last stage the (R, V) float32 logits of the kept rows."""
+        def call() -> Any:
+            return self._call(batch.input_ids, batch.positions, batch.sample_index)
+
+        with torch.no_grad(), paged(self.config, self.layers, batch):
+            out = self._run_stage(call, incoming)
+        return out[0].float() if self.is_last else out
+
+    def _call(self, ids: Tensor, positions: Tensor, keep: Tensor) -> Any:
+        if self.config is None:  # a generic decoder: every position's logits, then kept
+            out = self.model(input_ids=ids, position_ids=positions)
+            return getattr(out, "logits", out)[:, keep]
+        return self.model(input_ids=ids, position_ids=positions, logits_to_keep=keep,
+                          use_cache=False).logits
 
     # ---- cache shape ----------------------------------------------------------------------
     def probe(self) -> list[LayerShape]:

@@ -36,6 +36,7 @@ class Sequence:
     preemptions: int = 0
     prefix_hit_tokens: int = 0  # prompt tokens found in shared blocks (not computed)
     drafted: int = 0  # the last ``drafted`` tokens are speculative drafts (speculation.py)
+    draft_probs: Any = None  # (>= drafted, V) the draft model's q of each draft (draft.py)
     adapter: int = -1  # the slot of its LoRA adapter (adapters.py); -1: the base model
     output: RequestOutput = None  # type: ignore[assignment]
 

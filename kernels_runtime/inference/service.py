@@ -8,7 +8,8 @@ all of them apply it and run one engine step; the leader sends back what changed
 leader waits up to ``idle_s`` for a command and shares an empty turn otherwise, so the other
 ranks, waiting in the share, never reach their collective timeout.
 
-What the front end gets per changed request is append-only: new token ids and new text. Text
+What the front end gets per changed request is append-only: new token ids and new text (its
+token counts and timings come with its last delta only). Text
 is held back while it ends in an unfinished character (a byte token may be half of one) or could
 be the start of a stop string, so streamed text is never taken back.
 ``stop`` drains: requests already in the engine finish, then the loop returns.
@@ -95,11 +96,12 @@ class DeltaTracker:
                 stable = max(chars, min(stable, len(text) - max(0, longest - 1)))
         new_text = None if text is None else text[chars:stable]
         message = {"id": out.request_id, "token_ids": out.token_ids[tokens:], "text": new_text,
-                   "finish_reason": out.finish_reason, "error": out.error,
-                   "prompt_tokens": len(out.prompt_token_ids),
-                   "completion_tokens": len(out.token_ids), "stop_reason": out.stop_reason,
-                   "first_token_s": out.first_token_s, "finished_s": out.finished_s}
-        if out.finished:
+                   "finish_reason": out.finish_reason, "error": out.error}
+        if out.finished:  # the counts and timings once, with the last: a step's message stays
+            # small (the leader encodes it between steps, the front end decodes it)
+            message.update(prompt_tokens=len(out.prompt_token_ids),
+                           completion_tokens=len(out.token_ids), stop_reason=out.stop_reason,
+                           first_token_s=out.first_token_s, finished_s=out.finished_s)
             self.sent.pop(out.request_id, None)
         else:
             self.sent[out.request_id] = (len(out.token_ids), stable or 0)

@@ -31,6 +31,9 @@ one draw per token with or without speculation and gets the same tokens either w
 float noise between a verification chunk's logits and a one-token decode's), whatever else is
 in the batch.
 
+A draft model (``draft.py``) proposes instead of ``propose``: the class below with another
+``draft``, and a real ``q`` for sampled requests (``rejection.py``).
+
 Every rank of a replica decides the same: drafts come from the sequence's tokens (identical on
 every rank) and acceptance from logits every rank holds the same (tensor-parallel logits are
 gathered, generators seeded alike; under pipelines the last stage broadcasts its tokens).
@@ -41,6 +44,7 @@ from __future__ import annotations
 import torch
 
 from kernels_runtime.inference.batch import StepBatch
+from kernels_runtime.inference.rejection import verify_with_draft
 from kernels_runtime.inference.sampling import draw, probabilities, sample
 from kernels_runtime.inference.scheduler import ScheduledStep, Scheduler
 from kernels_runtime.inference.sequence import RUNNING, Sequence
@@ -89,8 +93,8 @@ def verify_sampled(logits: torch.Tensor, draft: list[int], seq: Sequence) -> lis
 
 def target_tokens(logits: torch.Tensor, batch: StepBatch) -> list[int]:
     """The target's token at every kept row (R): after a sequence's drafts, the argmax
-    (greedy) or the rejection sampler's; at the last row of a sequence without drafts, its
-    sampled token."""
+    (greedy) or the rejection sampler's (``verify_sampled``; a draft model's drafts:
+    ``rejection.py``); at the last row of a sequence without drafts, its sampled token."""
     tokens = logits.argmax(dim=-1).tolist()  # (R,)
     starts = torch.tensor([0] + batch.rows).cumsum(0).tolist()
     plain = [(i, seq) for i, seq in enumerate(batch.sampled) if batch.rows[i] == 1]
@@ -102,8 +106,9 @@ def target_tokens(logits: torch.Tensor, batch: StepBatch) -> list[int]:
         n = batch.rows[i]
         if n > 1 and not seq.params.greedy:
             draft = seq.tokens[len(seq.tokens) - seq.drafted:]
-            tokens[starts[i]:starts[i] + n] = verify_sampled(
-                logits[starts[i]:starts[i] + n], draft, seq)
+            rows, q = logits[starts[i]:starts[i] + n], seq.draft_probs  # (k + 1, V), (k, V)
+            tokens[starts[i]:starts[i] + n] = verify_sampled(rows, draft, seq) if q is None \
+                else verify_with_draft(rows, draft, q, seq)
     return tokens
 
 
@@ -118,9 +123,14 @@ class PromptLookup:
         self.freed_blocks = 0  # cumulative, blocks handed back that held only rejected slots
         self._settled: list[Sequence] = []  # drafted this step, for ``release``
 
+    def running(self) -> list[Sequence]:
+        """The sequences drafts are for: the scheduler's running ones (under pipeline overlap,
+        those of the group being scheduled, ``pipelined.py``)."""
+        return self.scheduler.running
+
     def draft(self) -> None:
         """Append drafts to every running sequence that decodes with ``speculate`` on."""
-        for seq in self.scheduler.running:
+        for seq in self.running():
             k = seq.params.draft_len
             if not k or seq.to_compute != 1:
                 continue

@@ -18,15 +18,20 @@ def test_the_inference_benchmark_reports_its_figures(capsys, smollm2):
 
     figures = main(["--quick", "--smollm2", str(smollm2.folder)])
     printed = capsys.readouterr().out
-    assert set(figures) == {"ratio", "static", "utilisation", "hits", "speculation",
-                            "acceptance"}
-    assert figures["ratio"] > 0 and figures["static"] > 0
+    assert figures["pipeline"] > 0  # pp=2 overlapped / plain tokens/s (tokens asserted equal)
+    assert set(figures) == {"ratio", "static", "utilisation", "hits", "speculation", "pipeline",
+                            "acceptance", "static_cpu", "prefix_speedup", "prefix_cpu_speedup",
+                            "draft_speculation", "draft_acceptance"}
+    assert figures["ratio"] > 0 and figures["static"] > 0 and figures["static_cpu"] > 0
+    assert figures["prefix_speedup"] > 0 and figures["prefix_cpu_speedup"] > 0
     assert 0.5 < figures["utilisation"] <= 1.0
     assert figures["hits"] > 0
     assert figures["speculation"] > 0 and 0 < figures["acceptance"] <= 1
+    assert figures["draft_speculation"] > 0 and 0 <= figures["draft_acceptance"] <= 1
     for words in ("engine / HF generate", "(aim >= 5x)", "aim >= 96%", "contiguous per request",
                   "time to first token p50", "peak blocks in use",
-                  "prompt-lookup speculation", "greedy tokens identical"):
+                  "prompt-lookup speculation", "greedy tokens identical",
+                  "pp=2 overlapped / plain tokens/s", "draft-model speculation"):
         assert words in printed, words
 
 

@@ -1,7 +1,8 @@
 """The HTTP routes of a serving endpoint (FastAPI on uvicorn; why in docs/inference.md).
 
-``/v1/completions`` and ``/v1/chat/completions`` (``stream: true`` as server-sent events, token
-by token), ``/v1/models``, ``/health`` (503 with the reason when the ranks cannot serve),
+``/v1/completions`` and ``/v1/chat/completions`` (``stream: true`` as server-sent events, one
+per engine step, or one carrying several steps' tokens for a stream that fell behind: ``stream``),
+``/v1/models``, ``/health`` (503 with the reason when the ranks cannot serve),
 ``/metrics`` (Prometheus text) and ``/openapi.json`` (``openapi_schema.py``). Every route but
 ``/health`` and ``/openapi.json`` needs the API key (``Authorization: Bearer ...``) unless
 the endpoint was started without one. A response starts only once the request's first token
@@ -267,7 +268,7 @@ def create_app(server: Any) -> FastAPI:
             if left <= 0:
                 raise _DeadlinePassed
             try:
-                return await asyncio.wait_for(queue.get(), min(DISCONNECT_POLL_S, left))
+                return await _get(queue, min(DISCONNECT_POLL_S, left))
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     raise _ClientGone from None
@@ -291,42 +292,55 @@ def create_app(server: Any) -> FastAPI:
     async def stream(kind: str, rid: str, model: str, first: dict[str, Any],
                      queue: asyncio.Queue, include_usage: bool,
                      deadline: float) -> AsyncIterator[bytes]:
+        """The request's SSE events: one per turn of this coroutine, carrying every delta
+        queued for the request by then (``_take``), so a client whose events fall behind the
+        engine's steps costs one event per catch-up, not one per step."""
         delta, done, dequeued_ns = first, False, 0
+        # the deadline arrives as an item on the queue: one timer per request, not per delta
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(max(0.0, deadline - time.monotonic()), queue.put_nowait,
+                                _DEADLINE)
         try:
             if kind == "chat":
                 yield _event(api.chat_chunk(rid, model, {"role": "assistant"}, None))
             while True:
-                if delta.get("error"):  # its replica failed mid-stream: an error event ends it
-                    done = True
-                    status = delta.get("status") or 503
-                    server.metrics.requests.labels(request_route(kind), str(status)).inc()
-                    yield _error_event(status, delta["error"])
-                    return
-                reason = delta.get("finish_reason")
-                text = delta.get("text") or ""
+                parts = _take(delta, queue)
+                delta = parts[-1]
+                late = delta is _DEADLINE
+                if late or delta.get("error"):  # after the text before it, an event ends it
+                    parts.pop()
+                reason = None if late or delta.get("error") else delta.get("finish_reason")
+                text = "".join(p.get("text") or "" for p in parts)
                 if text or reason is not None:
                     chunk = api.completion_chunk(rid, model, text, reason) \
                         if kind == "completion" else \
                         api.chat_chunk(rid, model, {"content": text} if text else {},
                                        reason)
                     yield _event(chunk)
-                if dequeued_ns and server.profile is not None:  # profile.py; not the first
-                    stamps = delta.get("t")
-                    if isinstance(stamps, list):
-                        server.profile.record([*stamps, dequeued_ns, time.monotonic_ns()],
-                                              len(delta.get("token_ids") or ()))
-                if reason is not None:
-                    done = True
-                    break
-                try:
-                    delta = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
-                    dequeued_ns = time.monotonic_ns()
-                except asyncio.TimeoutError:  # past its deadline: aborted, told so, ended
+                if server.profile is not None:  # profile.py; not the request's first delta
+                    written_ns = time.monotonic_ns()
+                    for p in parts if dequeued_ns else parts[1:]:
+                        stamps = p.get("t")
+                        if isinstance(stamps, list):
+                            server.profile.record([*stamps, dequeued_ns or written_ns,
+                                                   written_ns], len(p.get("token_ids") or ()))
+                if late:  # past its deadline: aborted, told so, ended
                     done = True
                     server.bridge.abort(rid)
                     server.metrics.requests.labels(request_route(kind), "504").inc()
                     yield _error_event(504, deadline_message())
                     return
+                if delta.get("error"):  # its replica failed mid-stream
+                    done = True
+                    status = delta.get("status") or 503
+                    server.metrics.requests.labels(request_route(kind), str(status)).inc()
+                    yield _error_event(status, delta["error"])
+                    return
+                if reason is not None:
+                    done = True
+                    break
+                delta = queue.get_nowait() if not queue.empty() else await queue.get()
+                dequeued_ns = time.monotonic_ns()
             if include_usage:
                 yield _event({"id": rid, "object": "text_completion" if kind == "completion"
                               else "chat.completion.chunk", "model": model,
@@ -334,12 +348,41 @@ def create_app(server: Any) -> FastAPI:
                                                                 delta["completion_tokens"])})
             yield b"data: [DONE]\n\n"
         finally:
+            timer.cancel()
             server.active -= 1
             if not done:  # the client went away (or the server is shutting down)
                 server.bridge.abort(rid)
                 server.metrics.requests.labels(f"{request_route(kind)}", "499").inc()
 
     return app
+
+
+def _take(delta: dict[str, Any], queue: asyncio.Queue) -> list[dict[str, Any]]:
+    """``delta`` and every delta queued behind it now, up to the request's last (a finish,
+    an error or ``_DEADLINE``, which is always last)."""
+    parts = [delta]
+    while parts[-1].get("finish_reason") is None and parts[-1] is not _DEADLINE \
+            and not queue.empty():
+        parts.append(queue.get_nowait())
+    return parts
+
+
+_DEADLINE: dict[str, Any] = {"deadline": True}  # put on a stream's queue when its time is up
+
+
+async def _get(queue: asyncio.Queue, timeout_s: float) -> dict[str, Any]:
+    """The queue's next item, ``asyncio.TimeoutError`` past ``timeout_s``; without a task
+    (``wait_for`` makes one per call before Python 3.12) when the item is there or where
+    ``asyncio.timeout`` exists."""
+    if not queue.empty():
+        return queue.get_nowait()
+    if _TIMEOUT is None:
+        return await asyncio.wait_for(queue.get(), timeout_s)
+    async with _TIMEOUT(timeout_s):
+        return await queue.get()
+
+
+_TIMEOUT = getattr(asyncio, "timeout", None)  # Python >= 3.11
 
 
 def request_route(kind: str) -> str:

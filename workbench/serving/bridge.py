@@ -4,9 +4,12 @@ each replica's leader rank connects to (``rank_side.py``).
 Requests go to the replica with the fewest requests in flight; what a leader sends back (each
 changed request's new tokens and text, ``kernels_runtime.inference.service``) is handed to that
 request's queue on the server's event loop. One thread owns the socket (ZeroMQ sockets are not
-thread-safe): it sends what the event loop queued and receives what the leaders sent, waking
-every few milliseconds. Messages are JSON, never pickle. A leader's message holds one step's
-deltas; they reach the event loop with one wake-up (``_hand_over``), not one per delta.
+thread-safe): it sends what the event loop queued and receives what the leaders sent. It
+sleeps in one poll of the socket and a wake-up socket pair until a message arrives, the event loop
+queues one (``_wake``) or a heartbeat is due: no periodic wake-ups, each of which would take the
+GIL from the event loop serving the clients. Messages are JSON, never pickle. A leader's
+message holds one step's deltas; they reach the event loop with one wake-up (``_hand_over``),
+not one per delta.
 
 Why each guard (issue 26, item 4): the socket listens on a TCP port any process of the host
 (or, on a multi-node pool, of the network) can reach, so nothing it receives is trusted.
@@ -39,12 +42,14 @@ socket forever.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import json
 import logging
 import queue
 import secrets
+import socket
 import threading
 import time
 from collections import Counter
@@ -57,7 +62,6 @@ from kernels_runtime.inference.commands import Command
 
 log = logging.getLogger("workbench.serving.bridge")
 
-POLL_MS = 2
 HEARTBEAT_S = 1.0
 HEARTBEAT = {"heartbeat": True}
 MAX_MESSAGE = 16 * 2**20  # bytes: a request body is at most 8 MiB (app.MAX_BODY), JSON grows it
@@ -128,6 +132,11 @@ class Bridge:
         self.lock = threading.Lock()
         self._stop = threading.Event()
         self._fault: BaseException | None = None  # inject_fault's
+        # written to wake the thread (a byte per wake, never blocking a writer: _wake); socket
+        # objects, not raw fds: a wake after close fails on the object, never on a reused fd
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self._thread = threading.Thread(target=self._supervised,
                                         name="workbench-serving-bridge", daemon=True)
         self._thread.start()
@@ -161,17 +170,27 @@ class Bridge:
             self.owner[command.request_id] = leader
         q: asyncio.Queue = asyncio.Queue()
         self.queues[command.request_id] = q
-        self.outgoing.put((leader, command.to_json()))
+        self._queue(leader, command.to_json())
         return q
 
     def abort(self, request_id: str) -> None:
         leader = self.owner.get(request_id)
         if leader is not None:
-            self.outgoing.put((leader, Command("abort", request_id).to_json()))
+            self._queue(leader, Command("abort", request_id).to_json())
 
     def stop_replicas(self) -> None:
         for leader in list(self.replicas):
-            self.outgoing.put((leader, Command("stop").to_json()))
+            self._queue(leader, Command("stop").to_json())
+
+    def _queue(self, leader: bytes, message: dict[str, Any]) -> None:
+        self.outgoing.put((leader, message))
+        self._wake()
+
+    def _wake(self) -> None:
+        """Make the thread's poll return now (any thread may call it)."""
+        # full: a wake is pending anyway; closed: the bridge stopped
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"!")
 
     def fail_all(self, message: str, status: int = 503) -> None:
         """End every request in flight with ``message`` (a rank died)."""
@@ -189,6 +208,7 @@ class Bridge:
         """Make the socket thread raise ``error`` on its next turn. For tests: the only way to
         kill the thread from outside, to check that its death fails ``/health``."""
         self._fault = error
+        self._wake()
 
     # ---- the socket thread ----------------------------------------------------------------
     def _supervised(self) -> None:
@@ -201,6 +221,9 @@ class Bridge:
             self.fail_all(self.failure)
 
     def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         next_beat = 0.0
         while not self._stop.is_set():
             if self._fault is not None:
@@ -217,7 +240,13 @@ class Bridge:
                     self._send(*self.outgoing.get_nowait())
             except queue.Empty:
                 pass
-            if not self.socket.poll(POLL_MS):
+            wait_ms = max(0, int((next_beat - time.monotonic()) * 1000) + 1)
+            ready = dict(poller.poll(wait_ms))
+            if self._wake_r.fileno() in ready:  # the poller names a plain socket by its fd
+                with contextlib.suppress(BlockingIOError):  # drained
+                    while self._wake_r.recv(4096):
+                        pass
+            if self.socket not in ready:
                 continue
             while self.socket.poll(0):
                 frames = self.socket.recv_multipart()
@@ -338,8 +367,12 @@ class Bridge:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake()
         self._thread.join(timeout=2)
         self.socket.close(0)
+        if not self._thread.is_alive():  # else it may still poll the pair: leave it open
+            self._wake_r.close()
+            self._wake_w.close()
 
 
 def _put_all(puts: list[tuple[asyncio.Queue, dict[str, Any]]]) -> None:

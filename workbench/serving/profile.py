@@ -18,7 +18,9 @@ run on the host of its server). Off unless asked for (``Server(profile=True)``):
 carries no ``t`` and nothing is recorded. Consecutive stamps telescope, so the parts of a token
 add up to its latency from its loop turn to its SSE write; each delta is weighted by the tokens
 it carries. A request's first delta is left out (it waits for the response to start: that is
-time to first token, reported apart).
+time to first token, reported apart). ``record`` only keeps a delta's stamps; they are checked
+and summed when read (``summary``, ``merge``) or once ``_FOLD_AT`` are kept, so the event loop
+serving the clients pays an append per delta, not the arithmetic.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ PARTS = ("rank loop: receive, share, admit", "rank: engine.step", "rank: deltas 
          "bridge: JSON, ZeroMQ, decode", "server: event loop wake + queue wait",
          "server: SSE encode + write")
 _MAX_NS = 3600 * 10**9  # a part longer than an hour is no measurement: the stamps are bad
+_FOLD_AT = 100_000  # deltas kept before they are summed (bounds the memory of a long run)
 
 
 class ServingProfile:
@@ -41,11 +44,22 @@ class ServingProfile:
         self.tokens = 0
         self.latency_ns = 0  # sum over tokens of written - turn, measured apart from the parts
         self.rejected = 0  # deltas whose stamps were malformed (they come over the network)
+        self._kept: list[tuple[Any, int]] = []  # (stamps, tokens) recorded, not summed yet
 
     def record(self, stamps: Any, tokens: int) -> None:
         """Add one delta's stamps (``STAMPS``, in order), weighted by its ``tokens``."""
         if tokens <= 0:
             return
+        self._kept.append((stamps, tokens))
+        if len(self._kept) >= _FOLD_AT:
+            self._fold()
+
+    def _fold(self) -> None:
+        kept, self._kept = self._kept, []
+        for stamps, tokens in kept:
+            self._add(stamps, tokens)
+
+    def _add(self, stamps: Any, tokens: int) -> None:
         if not (isinstance(stamps, list) and len(stamps) == len(STAMPS)
                 and all(type(s) is int for s in stamps)):
             self.rejected += 1
@@ -61,6 +75,8 @@ class ServingProfile:
 
     def merge(self, other: ServingProfile) -> None:
         """Add ``other``'s tokens to these (rounds of a bench run)."""
+        self._fold()
+        other._fold()
         self.sums_ns = [a + b for a, b in zip(self.sums_ns, other.sums_ns)]
         self.tokens += other.tokens
         self.latency_ns += other.latency_ns
@@ -70,6 +86,7 @@ class ServingProfile:
         """``{"tokens", "total_ms", "latency_ms", "parts": {name: (mean ms per token, share
         of total)}, "rejected"}``; ``total_ms`` sums the parts, ``latency_ms`` is measured
         end to end."""
+        self._fold()
         n = max(self.tokens, 1)
         total = sum(self.sums_ns)
         parts = {name: (s / n / 1e6, s / total if total else 0.0)

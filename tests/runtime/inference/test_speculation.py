@@ -77,7 +77,11 @@ def _drive(engine, prompts, params) -> tuple[list, list[str]]:
             outs[out.request_id] = out
         s = engine.scheduler
         held = {b for q in s.running for b in q.blocks}
+        # pp: a micro-batch in flight holds its drafts and blocks until it is committed
+        flying = engine.pipelined.sequences_in_flight() if engine.pipelined else set()
         for q in s.running:
+            if q in flying:
+                continue
             if q.drafted or len(q.blocks) != -(-q.computed // size):
                 broken.append(f"{q.request_id}: {len(q.blocks)} blocks for {q.computed} "
                               f"tokens, {q.drafted} drafts left")
