@@ -168,6 +168,7 @@ def _greedy(rank: int, world: int, plan: str) -> dict:
             "blocks_used": engine.stats()["blocks_used"]}
 
 
+@pytest.mark.slow  # an engine on a rank: make test, not the inner loop
 def test_draft_model_greedy_tokens_are_plain_decodings(ranks):
     got = ranks(1).run(_greedy, "dp=1", timeout_s=120)[0]
     assert got["errors"] == [None] * 5
@@ -215,6 +216,7 @@ def _sampled(rank: int, world: int, seeds: int, new: int) -> dict:
             "drafted": stats["spec_drafted_tokens"], "accepted": stats["spec_accepted_tokens"]}
 
 
+@pytest.mark.slow  # an engine on a rank: make test, not the inner loop
 def test_sampling_with_a_draft_model_keeps_the_target_distribution(ranks):
     out = ranks(1).run(_sampled, SEEDS, NEW, timeout_s=120)[0]
     assert out["errors"] == [None] * (2 * SEEDS)
