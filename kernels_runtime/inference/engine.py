@@ -237,12 +237,23 @@ class Engine:
         with self.adapters.routing(batch.adapters):
             logits = self.runner.forward(batch)
         tokens, logits = self._agree(batch, logits)
-        targets, rows = batch.per_sequence(tokens), batch.per_sequence(logits)
-        news = self.speculation.settle(step, batch.sampled, targets)
+        outputs, made = self.commit(step, batch.sampled, batch.per_sequence(tokens),
+                                    batch.per_sequence(logits))
+        self.ctx.telemetry.record_inference(self.stats())
+        self.ctx.telemetry.tick(tokens=made)  # tokens/s: generated tokens
+        return changed + outputs
+
+    def commit(self, step: ScheduledStep, sampled: list[Sequence], targets: list[list[int]],
+               rows: list | None) -> tuple[list[RequestOutput], int]:
+        """Settle a computed step: speculation keeps the accepted drafts, the scheduler counts
+        the chunks, and each sampled sequence gets its new tokens (accepted drafts, then the
+        target's). The changed outputs and the number of tokens made. Shared by ``step`` and
+        the overlapped pipeline's commit of a micro-batch (``pipelined.py``)."""
+        news = self.speculation.settle(step, sampled, targets)
         self.scheduler.finish_chunks(step)
         self.speculation.release()
-        now, made = time.perf_counter(), 0
-        for seq, new, seq_rows in zip(batch.sampled, news, rows):
+        now, made, changed = time.perf_counter(), 0, []
+        for seq, new, seq_rows in zip(sampled, news, rows):
             for token, row in zip(new, seq_rows):  # accepted drafts, then the target's token
                 out = self._append(seq, token, row, now)
                 made += 1
@@ -251,9 +262,7 @@ class Engine:
             changed.append(seq.output)
         self.totals["steps"] += 1
         self._trace_kv()
-        self.ctx.telemetry.record_inference(self.stats())
-        self.ctx.telemetry.tick(tokens=made)  # tokens/s: generated tokens
-        return changed
+        return changed, made
 
     def _trace_kv(self) -> None:
         running, trace = self.scheduler.running, self.kv_trace

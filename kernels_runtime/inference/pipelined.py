@@ -27,7 +27,6 @@ only ones not in flight) and is settled at the commit, as ``Engine.step`` does a
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -204,18 +203,7 @@ class PipelinedSteps:
         kept = [(seq, target, seq_rows) for seq, target, seq_rows in zip(
             batch.sampled, batch.per_sequence(tokens), batch.per_sequence(rows))
             if seq.status == RUNNING]
-        news = engine.speculation.settle(step, [k[0] for k in kept], [k[1] for k in kept])
-        engine.scheduler.finish_chunks(step)
-        engine.speculation.release()
-        now, made, changed = time.perf_counter(), 0, []
-        for (seq, _, seq_rows), new in zip(kept, news):
-            for token, row in zip(new, seq_rows):  # accepted drafts, then the target's token
-                out = engine._append(seq, token, row, now)
-                made += 1
-                if out.finished:
-                    break
-            changed.append(seq.output)
-        engine.totals["steps"] += 1
-        engine._trace_kv()
+        changed, made = engine.commit(step, [k[0] for k in kept], [k[1] for k in kept],
+                                      [k[2] for k in kept])
         engine.ctx.telemetry.tick(tokens=made)
         return changed

@@ -35,6 +35,7 @@ from kernels_runtime.parallel.expert.moe_layer import (
     LocalExperts,
     _in_backward,
     _ScaleGrad,
+    local_count,
 )
 from kernels_runtime.parallel.state import ParallelState
 from kernels_runtime.policies.moe_modulelist import ModuleListReading, route_topk
@@ -48,11 +49,7 @@ class ModuleListLocalExperts(LocalExperts):
     def __init__(self, experts: nn.ModuleList, rank: int, ep: int, inter: int) -> None:
         nn.Module.__init__(self)
         total = len(experts)
-        if total % ep:
-            divisors = [n for n in range(1, total + 1) if total % n == 0]
-            raise ValueError(f"the block has {total} experts, which do not divide over ep={ep} "
-                             f"ranks; choose ep in {divisors}")
-        local = total // ep
+        local = local_count(total, ep)
         self.num_experts, self.first = total, rank * local
         self.comm, self.tp_group, self.tp, self.tp_rank, self.inter = None, None, 1, 0, inter
         for index in range(self.first, self.first + local):

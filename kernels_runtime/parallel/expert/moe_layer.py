@@ -40,6 +40,15 @@ from kernels_runtime.policies.moe import MoeSpec, moe_spec
 EXPERT_ATTR = "_expert_parallel"  # set on expert parameters: their gradients skip the ep sum
 
 
+def local_count(total: int, ep: int) -> int:
+    """Experts per rank of an ep group (E/ep); a clear error when ep does not divide E."""
+    if total % ep:
+        divisors = [n for n in range(1, total + 1) if total % n == 0]
+        raise ValueError(f"the block has {total} experts, which do not divide over ep={ep} "
+                         f"ranks; choose ep in {divisors}")
+    return total // ep
+
+
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; the gradient times ``scale`` on the way back."""
 
@@ -75,11 +84,7 @@ class LocalExperts(nn.Module):
                  tp_group: Group | None = None) -> None:
         super().__init__()
         total = experts.gate_up_proj.shape[0]
-        if total % ep:
-            divisors = [n for n in range(1, total + 1) if total % n == 0]
-            raise ValueError(f"the block has {total} experts, which do not divide over ep={ep} "
-                             f"ranks; choose ep in {divisors}")
-        local = total // ep
+        local = local_count(total, ep)
         self.num_experts, self.first = total, rank * local
         self.comm, self.tp_group = comm, tp_group
         tp = dist.get_world_size(tp_group) if tp_group is not None else 1
