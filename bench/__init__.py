@@ -11,3 +11,5 @@ benchmark's private names. The GPU path's check is not a benchmark:
 BENCHMARKS = ("magic_overhead", "data_parallel", "planner", "tensor_parallel",
               "tensor_parallel_grid", "sequence_parallel", "pipeline", "memory", "inference",
               "serving", "loading", "finetune", "moe")
+# run by name only (``all`` runs their parts already): every speed figure of one issue at once
+SUITES = ("inference_speed",)

@@ -3,8 +3,13 @@ through HF ``generate``, on each of the ranks (one thread each).
 
 - ``engine``: ``Engine`` under ``dp=<ranks>`` (a replica per rank, requests dealt round-robin,
   as ``generate`` does), continuous batching of at most ``batch`` sequences;
-- ``static engine``: the same engine given ``batch`` requests per replica at a time, each group
-  finished before the next starts: the engine without continuous batching;
+- ``static engine``: static batching as HF ``generate`` and static-batch servers do it, on the
+  same engine: ``batch`` requests per replica at a time, every row of a batch decoding until
+  the batch's longest answer is done (a finished row keeps its slot, computing tokens nobody
+  asked for; only the asked-for tokens are counted), each batch finished before the next starts;
+- ``drained engine``: the same batches, but a finished row leaves at once (the batch shrinks,
+  nothing new joins): what the engine saves without continuous batching's refill, the
+  lower bound of its win;
 - ``hf``: HF ``generate`` in every rank process on that rank's share (the same round-robin
   deal), in arrival order, in static left-padded batches of ``batch``, greedy, each batch run
   to the longest output it holds.
@@ -89,10 +94,12 @@ def run_round(rank: int, world: int, spec: dict, which: str) -> dict:
     figures: dict[str, Any] = {}
     if which == "engine":
         figures = _continuous(engine, requests)
-    elif which == "static engine":
+    elif which in ("static engine", "drained engine"):
         step = spec["batch"] * world  # a batch per replica at a time
         for i in range(0, len(requests), step):
             group = requests[i:i + step]
+            if which == "static engine":  # every row runs to its replica batch's longest
+                group = _held_to_longest(group, world)
             engine.generate([p for p, _ in group], _params(group))
     else:
         _hf(model_cached(spec), requests[rank::world], spec["batch"])
@@ -101,6 +108,14 @@ def run_round(rank: int, world: int, spec: dict, which: str) -> dict:
     figures["seconds"] = time.perf_counter() - start
     figures["tokens"] = sum(n for _, n in requests)
     return figures
+
+
+def _held_to_longest(group: list[tuple[list[int], int]],
+                     world: int) -> list[tuple[list[int], int]]:
+    """Each request's output length raised to the longest of its replica's batch
+    (``generate`` deals a group round-robin: replica r takes ``group[r::world]``)."""
+    longest = [max((n for _, n in group[r::world]), default=0) for r in range(world)]
+    return [(p, longest[i % world]) for i, (p, _) in enumerate(group)]
 
 
 def _cpu_seconds(since: float) -> float:
