@@ -226,13 +226,13 @@ class Engine:
         self.speculation.draft()  # drafted tokens ride in the decodes' chunks
         step = self.scheduler.schedule()
         self.speculation.fit(step)
+        self._apply_cache_ops(step)  # before any return: a step of preemptions alone swaps out
         if not step.chunks:
             if self.scheduler.has_work and not step.preempted:
                 raise RuntimeError("the scheduler found nothing to run while requests wait "
                                    "(a bug: every admitted request fits the cache)")
             self.ctx.telemetry.record_inference(self.stats())  # aborts changed the blocks
             return changed
-        self._apply_cache_ops(step)
         batch = build_batch(step.chunks, self.block_size, self.ctx.device)
         with self.adapters.routing(batch.adapters):
             logits = self.runner.forward(batch)
