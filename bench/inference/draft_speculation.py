@@ -13,16 +13,19 @@ tokens, and the draft's share of the time is printed (it runs token by token, pe
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 from bench.common.spread import spread
 from bench.inference.speculation import prompts
+from bench.inference.speculation_common import (
+    on_off_figures,
+    rank_engine,
+    release,  # a name of this line's since it had one of its own; run_rounds calls it
+    run_rounds,
+    timed_generate,
+)
 
-_ENGINES: dict[str, Any] = {}
+__all__ = ["draft_round", "release", "report", "run"]
 
 
 def draft_round(rank: int, world: int, folder: str, spec: dict, side: str) -> dict:
@@ -33,61 +36,19 @@ def draft_round(rank: int, world: int, folder: str, spec: dict, side: str) -> di
     from kernels_runtime.inference import Engine, SamplingParams
     from kernels_runtime.inference.draft import layer_skip
 
-    torch.set_num_threads(1)
-    if "engine" not in _ENGINES:  # one engine per rank process, reused by every round
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging
-
-        logging.disable_progress_bar()
-        model = AutoModelForCausalLM.from_pretrained(folder).eval()
-        draft = layer_skip(model, spec["spec_draft_layers"])
-        _ENGINES["engine"] = Engine(model, f"dp={world}", kv_mem="64MiB", prefix_sharing=False,
-                                max_num_seqs=spec["spec_requests"], draft_model=draft,
-                                verbose=False)
-    engine = _ENGINES["engine"]
+    engine = rank_engine("draft-model", folder, lambda model: Engine(
+        model, f"dp={world}", kv_mem="64MiB", prefix_sharing=False,
+        max_num_seqs=spec["spec_requests"],
+        draft_model=layer_skip(model, spec["spec_draft_layers"]), verbose=False))
     requests = prompts(folder, spec["spec_requests"])
     params = SamplingParams(max_new_tokens=spec["spec_tokens"],
                             speculate=spec["spec_draft"] if side == "on" else 0)
-    before = engine.stats()
-    drafting = engine.speculation.seconds
-    dist.barrier()
-    start = time.perf_counter()
-    outs = engine.generate(requests, params)
-    dist.barrier()
-    seconds = time.perf_counter() - start
-    after = engine.stats()
-    counts = torch.tensor([after[k] - before[k] for k in ("spec_drafted_tokens",
-                                                          "spec_accepted_tokens")]
-                          + [engine.speculation.seconds - drafting],
-                          dtype=torch.float64)
-    dist.all_reduce(counts)
-    return {"seconds": seconds, "tokens": [o.token_ids for o in outs],
-            "generated": sum(len(o.token_ids) for o in outs), "drafted": int(counts[0]),
-            "accepted": int(counts[1]), "draft_seconds": float(counts[2]) / world}
+    return timed_generate(engine, requests, params, draft_seconds=True)
 
 
 def run(pool: Any, spec: dict, rounds: int, folder: str | None = None) -> dict:
     """Rounds alternating which side goes first; ``{"skipped": why}`` without the model."""
-    from workbench.models.smollm2 import smollm2_instruct
-
-    try:
-        folder = folder or str(smollm2_instruct())
-    except Exception as err:  # noqa: BLE001 - no model: the line says why, the rest runs
-        return {"skipped": f"{type(err).__name__}: {err}"}
-    out: dict[str, list] = {"on": [], "off": []}
-    for r in range(rounds):
-        for side in (("on", "off") if r % 2 == 0 else ("off", "on")):
-            out[side].append(pool.run(draft_round, folder, spec, side, timeout_s=1800)[0])
-    pool.run(release)
-    return out
-
-
-def release(rank: int, world: int) -> None:
-    """Drop this rank's engine (its weights, KV cache and draft)."""
-    import gc
-
-    _ENGINES.clear()
-    gc.collect()
+    return run_rounds(pool, draft_round, lambda side: side, spec, rounds, folder)
 
 
 def report(out: dict, spec: dict) -> dict:
@@ -96,20 +57,13 @@ def report(out: dict, spec: dict) -> dict:
         print(f"draft-model speculation: skipped, SmolLM2-135M-Instruct unavailable "
               f"({out['skipped']})")
         return {}
-    on, off = out["on"], out["off"]
-    for a in on + off:
-        if a["tokens"] != off[0]["tokens"]:
-            raise AssertionError("draft-model speculation changed the greedy tokens: a bug in "
-                                 "kernels_runtime/inference/draft.py")
-    rate = {side: [r["generated"] / r["seconds"] for r in out[side]] for side in ("on", "off")}
-    ratio = [a / b for a, b in zip(rate["on"], rate["off"])]
-    drafted = sum(r["drafted"] for r in on)
-    accepted = sum(r["accepted"] for r in on) / drafted if drafted else 0.0
-    share = statistics.median(r["draft_seconds"] / r["seconds"] for r in on)
+    fig = on_off_figures(out, "draft-model speculation", "kernels_runtime/inference/draft.py")
+    rate, ratio = fig["rate"], fig["ratio"]
+    share = statistics.median(r["draft_seconds"] / r["seconds"] for r in out["on"])
     print(f"draft-model speculation (target SmolLM2-135M-Instruct, 30 layers; draft: its first "
           f"{spec['spec_draft_layers']} layers + final norm + head, layer skip; same workload, "
           f"up to {spec['spec_draft']} drafts a step): {spread(rate['on'], 1)} tokens/s with, "
-          f"{spread(rate['off'], 1)} without: {statistics.median(ratio):.2f}x "
+          f"{spread(rate['off'], 1)} without: {fig['median']:.2f}x "
           f"({min(ratio):.2f}-{max(ratio):.2f}); greedy tokens identical; acceptance "
-          f"{accepted:.0%}; drafting {share:.0%} of the time with")
-    return {"draft_speculation": statistics.median(ratio), "draft_acceptance": accepted}
+          f"{fig['acceptance']:.0%}; drafting {share:.0%} of the time with")
+    return {"draft_speculation": fig["median"], "draft_acceptance": fig["acceptance"]}

@@ -7,19 +7,24 @@ model cache), asked in its chat template to repeat, or lightly edit, a passage i
 (code and prose): what code editing and summaries quoting their input look like. Greedy, so
 the tokens with speculation must be exactly those without it (asserted); tokens/s is generated
 tokens over wall seconds on all ranks (``dp=<ranks>``, requests dealt round-robin), and the
-acceptance rate is accepted over drafted tokens from the engines' stats.
+acceptance rate is accepted over drafted tokens from the engines' stats. The measuring both
+speculation lines share is ``speculation_common.py``.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from bench.common.spread import spread
+from bench.inference.speculation_common import (
+    on_off_figures,
+    rank_engine,
+    release,  # a name of this line's since it had one of its own; run_rounds calls it
+    run_rounds,
+    timed_generate,
+)
+
+__all__ = ["ASKS", "PASSAGES", "prompts", "release", "report", "run", "spec_round"]
 
 PASSAGES = [
     "def moving_average(values, window):\n    total = 0.0\n    out = []\n"
@@ -38,7 +43,6 @@ PASSAGES = [
 ]
 ASKS = ["Repeat the following text exactly, word for word.",
         "Rewrite the following text, changing nothing but fixing any typos."]
-_ENGINE: dict[str, Any] = {}
 
 
 def prompts(folder: str, count: int) -> list[list[int]]:
@@ -61,57 +65,19 @@ def spec_round(rank: int, world: int, folder: str, spec: dict, speculate: int) -
     drafted and accepted, summed over replicas."""
     from kernels_runtime.inference import Engine, SamplingParams
 
-    torch.set_num_threads(1)
-    if "engine" not in _ENGINE:  # one engine per rank process, reused by every round
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging
-
-        logging.disable_progress_bar()  # one bar per rank process, in the bench's table
-        model = AutoModelForCausalLM.from_pretrained(folder).eval()
-        _ENGINE["engine"] = Engine(model, f"dp={world}", kv_mem="64MiB", prefix_sharing=False,
-                                   max_num_seqs=spec["spec_requests"], verbose=False)
-    engine = _ENGINE["engine"]
+    engine = rank_engine("prompt-lookup", folder, lambda model: Engine(
+        model, f"dp={world}", kv_mem="64MiB", prefix_sharing=False,
+        max_num_seqs=spec["spec_requests"], verbose=False))
     requests = prompts(folder, spec["spec_requests"])
     params = SamplingParams(max_new_tokens=spec["spec_tokens"], speculate=speculate)
-    before = engine.stats()
-    dist.barrier()
-    start = time.perf_counter()
-    outs = engine.generate(requests, params)  # gathered from every replica
-    dist.barrier()
-    seconds = time.perf_counter() - start
-    after = engine.stats()
-    counts = torch.tensor([after[k] - before[k] for k in ("spec_drafted_tokens",
-                                                          "spec_accepted_tokens")])
-    dist.all_reduce(counts)  # each rank is a replica of its own
-    return {"seconds": seconds, "tokens": [o.token_ids for o in outs],
-            "generated": sum(len(o.token_ids) for o in outs),
-            "drafted": int(counts[0]), "accepted": int(counts[1])}
+    return timed_generate(engine, requests, params)
 
 
 def run(pool: Any, spec: dict, rounds: int, folder: str | None = None) -> dict:
     """Rounds alternating which side goes first, on the model in ``folder`` (None: the model
     cache's, converted on first use); ``{"skipped": why}`` when the model is not to be had."""
-    from workbench.models.smollm2 import smollm2_instruct
-
-    try:
-        folder = folder or str(smollm2_instruct())
-    except Exception as err:  # noqa: BLE001 - no model: the line says why, the rest runs
-        return {"skipped": f"{type(err).__name__}: {err}"}
-    out: dict[str, list] = {"on": [], "off": []}
-    for r in range(rounds):
-        for side in (("on", "off") if r % 2 == 0 else ("off", "on")):
-            k = spec["spec_draft"] if side == "on" else 0
-            out[side].append(pool.run(spec_round, folder, spec, k, timeout_s=1800)[0])
-    pool.run(release)  # the model's memory back before the other lines measure
-    return out
-
-
-def release(rank: int, world: int) -> None:
-    """Drop this rank's engine (its weights and KV cache)."""
-    import gc
-
-    _ENGINE.clear()
-    gc.collect()
+    return run_rounds(pool, spec_round, lambda side: spec["spec_draft"] if side == "on" else 0,
+                      spec, rounds, folder)
 
 
 def report(out: dict, spec: dict) -> dict:
@@ -120,20 +86,14 @@ def report(out: dict, spec: dict) -> dict:
         print(f"prompt-lookup speculation: skipped, SmolLM2-135M-Instruct unavailable "
               f"({out['skipped']})")
         return {}
-    on, off = out["on"], out["off"]
-    for a in on + off:
-        if a["tokens"] != off[0]["tokens"]:
-            raise AssertionError("prompt-lookup speculation changed the greedy tokens: a bug "
-                                 "in kernels_runtime/inference/speculation.py")
-    rate = {side: [r["generated"] / r["seconds"] for r in out[side]] for side in ("on", "off")}
-    ratio = [a / b for a, b in zip(rate["on"], rate["off"])]
-    drafted = sum(r["drafted"] for r in on)
-    accepted = sum(r["accepted"] for r in on) / drafted if drafted else 0.0
+    fig = on_off_figures(out, "prompt-lookup speculation",
+                         "kernels_runtime/inference/speculation.py")
+    rate, ratio, on = fig["rate"], fig["ratio"], out["on"]
     per_step = sum(r["accepted"] for r in on) / len(on)
     print(f"prompt-lookup speculation (SmolLM2-135M-Instruct repeating / editing a quoted "
-          f"passage, {spec['spec_requests']} requests, {off[0]['generated']} tokens, up to "
-          f"{spec['spec_draft']} drafts a step): {spread(rate['on'], 1)} tokens/s with, "
-          f"{spread(rate['off'], 1)} without: {statistics.median(ratio):.2f}x "
+          f"passage, {spec['spec_requests']} requests, {out['off'][0]['generated']} tokens, "
+          f"up to {spec['spec_draft']} drafts a step): {spread(rate['on'], 1)} tokens/s with, "
+          f"{spread(rate['off'], 1)} without: {fig['median']:.2f}x "
           f"({min(ratio):.2f}-{max(ratio):.2f}) (aim >= 1.5x); greedy tokens identical; "
-          f"acceptance {accepted:.0%} ({per_step:.0f} drafts accepted per round)")
-    return {"speculation": statistics.median(ratio), "acceptance": accepted}
+          f"acceptance {fig['acceptance']:.0%} ({per_step:.0f} drafts accepted per round)")
+    return {"speculation": fig["median"], "acceptance": fig["acceptance"]}

@@ -45,20 +45,17 @@ from kernels_runtime.memory.placement import Trace
 from kernels_runtime.memory.tiers import Payload, TierStore
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.mesh.shards import ParamLayout
-from kernels_runtime.optim import GradShard, GradSync, StatePiece
-from kernels_runtime.parallel.expert.grad_sync import (
-    ParamView,
-    expert_data_context,
-    split_optimizer,
-)
-from kernels_runtime.parallel.expert.layouts import on_expert_data
-from kernels_runtime.parallel.expert.moe_layer import is_expert_parameter
+from kernels_runtime.optim import GradShard
+from kernels_runtime.parallel.expert.grad_sync import ExpertSyncPair, ParamView
 
 EXPERT_PREFIX = "e."  # of the expert sync's payload keys in the shared store and placer
 
 
-class ExpertChunkSync(GradSync):
-    """``ChunkGradSync`` over dp for non-expert parameters and over expert-dp for experts."""
+class ExpertChunkSync(ExpertSyncPair):
+    """``ChunkGradSync`` over dp for non-expert parameters and over expert-dp for experts
+    (the pair's split and shared calls: ``ExpertSyncPair``)."""
+
+    view = ParamView  # the chunks find their units by walking the whole module tree
 
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
@@ -66,29 +63,31 @@ class ExpertChunkSync(GradSync):
         precision: str, store: TierStore, placer_args: dict, chunk_mb: float = 32.0,
         replaced: dict[int, nn.Parameter] | None = None,
     ) -> None:
-        self.ctx, self.expert_ctx = ctx, expert_data_context(ctx)
-        dense_opt, expert_opt = split_optimizer(optimizer, replaced or {})
-        settings = dict(blocks=blocks, zero_stage=zero_stage, precision=precision,
-                        placer_args=placer_args, chunk_mb=chunk_mb)
-        experts = ParamView(model, is_expert_parameter)
-        names = {n for n, _ in experts.named_parameters()}
-        self.dense = ChunkGradSync(ParamView(model, lambda p: not is_expert_parameter(p)),
-                                   dense_opt, ctx, layouts, store=store, **settings)
-        self.store, self.placer = store, self.dense.placer  # one placement for the rank
-        self.experts = None if expert_opt is None else ChunkGradSync(
-            experts, expert_opt, self.expert_ctx, on_expert_data(layouts, names), store=store,
-            placer=self.placer, activations=self.dense.activations, prefix=EXPERT_PREFIX,
-            **settings)
+        self.store = store
+        self.settings = dict(blocks=blocks, zero_stage=zero_stage, precision=precision,
+                             placer_args=placer_args, chunk_mb=chunk_mb)
+        super().__init__(model, optimizer, ctx, layouts, replaced)
         if self.experts is not None:
             self._share_placement(self.dense, self.experts)
         # released parameters are empty: their shapes live here (experts on the plan's mesh)
         self.layouts = dict(self.dense.layouts)
-        self.layouts.update({n: layouts[n] for n in names if n in layouts})
+        self.layouts.update({n: layouts[n] for n in self.expert_names if n in layouts})
         self.spill_folder = None
         self._dense_shards = 0  # how many of ``master_grads``' shards are the dense sync's
 
-    def syncs(self) -> list[ChunkGradSync]:
-        return [self.dense] if self.experts is None else [self.dense, self.experts]
+    def build(self, params: nn.Module, optimizer: torch.optim.Optimizer,
+              ctx: ParallelContext, layouts: dict[str, ParamLayout],
+              expert: bool) -> ChunkGradSync:
+        """The dense sync makes the rank's placement; the expert sync places through it (one
+        placer, one activation reserve, its payload keys prefixed)."""
+        if not expert:
+            sync = ChunkGradSync(params, optimizer, ctx, layouts, store=self.store,
+                                 **self.settings)
+            self.placer = sync.placer  # one placement for the rank
+            return sync
+        return ChunkGradSync(params, optimizer, ctx, layouts, store=self.store,
+                             placer=self.placer, activations=self.dense.activations,
+                             prefix=EXPERT_PREFIX, **self.settings)
 
     def _share_placement(self, dense: ChunkGradSync, experts: ChunkGradSync) -> None:
         """The placer both syncs use predicts, floors and spills for both (module docstring):
@@ -138,22 +137,9 @@ class ExpertChunkSync(GradSync):
         return sum(s.deferred_steps for s in self.syncs())
 
     # ---- GradSync ------------------------------------------------------------------------
-    def master_groups(self) -> list[list[torch.Tensor]]:
-        if self.experts is None:
-            return self.dense.master_groups()
-        return [d + e for d, e in zip(self.dense.master_groups(), self.experts.master_groups())]
-
     def micro_batch(self):  # noqa: ANN201 - a context manager
         """The shared activation reserve measures the micro-batch once (``auto``)."""
         return self.dense.micro_batch()
-
-    def prepare_backward(self, sync: bool) -> None:
-        for s in self.syncs():
-            s.prepare_backward(sync)
-
-    def finish(self) -> None:
-        for s in self.syncs():
-            s.finish()
 
     def complete_step(self) -> None:
         for s in self.syncs():
@@ -175,10 +161,6 @@ class ExpertChunkSync(GradSync):
         if self.experts is not None:
             self.experts.scale_grads(shards[self._dense_shards:], factor)
 
-    def zero_grads(self) -> None:
-        for s in self.syncs():
-            s.zero_grads()
-
     def optimizer_step(self, inner: torch.optim.Optimizer) -> None:
         """Each sync steps its chunks with the one inner optimizer (only the master being
         stepped has a gradient), then the shared placement ends the step once (trace,
@@ -187,16 +169,9 @@ class ExpertChunkSync(GradSync):
             s.stepper.step_chunks(inner)
         self.dense.stepper.end_step()
 
-    def publish(self) -> None:
-        for s in self.syncs():
-            s.publish()
-
     def materialize_state(self, inner: torch.optim.Optimizer) -> None:
         for s in self.syncs():
             s.materialize_state(inner)
-
-    def pieces(self, saving: bool, optimizer: torch.optim.Optimizer | None) -> list[StatePiece]:
-        return [piece for s in self.syncs() for piece in s.pieces(saving, optimizer)]
 
     def after_load(self) -> None:
         for s in self.syncs():

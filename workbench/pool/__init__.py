@@ -7,5 +7,5 @@ them; ``world.py`` forms their process group; ``launchers.py``, ``forked_ranks.p
 start them locally, by fork, or under Slurm/MPI/SSH; ``reaper.py`` and ``cleanup.py`` make sure
 none outlives its kernel; ``state.py`` publishes the pool's state to whoever registered (the ui
 layer), so this layer never imports the one above; ``rank_calls.py`` holds the functions the ranks
-run on the pool's behalf.
+run on the pool's behalf; ``engines.py`` holds the ipyparallel cluster behind ``pool.py``.
 """

@@ -10,11 +10,13 @@ module turns them into ranks of one torch.distributed world:
   ids change on every restart;
 - the process group created on every rank at start, and re-created after a failed cell.
 
-The pool is lifecycle: processes started, watched and stopped. What it knows about its ranks
-(the rank table and the queries on it) is a ``RankQueries`` it holds as ``pool.ranks``
-(``pool_status.py``); forming the torch.distributed world on the engines is ``world.py``.
+The pool is the lifecycle of that world: started, reset, restarted and stopped, each step
+published. Its parts are objects it holds: the processes themselves (an ipyparallel cluster,
+its engine sets, the reaper) are an ``EngineCluster`` (``engines.py``); what it knows about its
+ranks (the rank table and the queries on it) is a ``RankQueries`` held as ``pool.ranks``
+(``status.py``); forming the torch.distributed world on the engines is ``world.py``.
 It publishes its state (ranks, devices, memory, busy/idle) to a ``StatePublisher``
-(``pool_state.py``); inside a Jupyter kernel that is the file the JupyterLab extension's
+(``state.py``); inside a Jupyter kernel that is the file the JupyterLab extension's
 server reads, registered by the ui (``workbench.ui.lab.state``): the pool never imports the ui.
 
 Lifecycle methods are async-first with blocking twins: ``start_async``/``start`` and so on.
@@ -22,39 +24,26 @@ Lifecycle methods are async-first with blocking twins: ``start_async``/``start``
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import ipyparallel as ipp
 
 from workbench._async import LoopThread
 from workbench.errors import PoolError
-from workbench.pool import rank_calls
-from workbench.pool.cleanup import arm_reaper, remove_dead_spill
-from workbench.pool.launchers import LauncherSpec, cluster_config, engine_launcher, resolve_launcher
-from workbench.pool.ranks import rank_devices, visible_gpu_count
-from workbench.pool.reaper import ReaperHandle
-from workbench.pool.slurm import job_state, timeout_message, watch_message
+from workbench.pool.engines import EngineCluster
+from workbench.pool.launchers import LauncherSpec, resolve_launcher
+from workbench.pool.ranks import visible_gpu_count
 from workbench.pool.state import StatePublisher, new_publisher, rank_rows
 from workbench.pool.status import RankQueries
 from workbench.pool.status import RankStatus as RankStatus  # re-exported: workbench.RankStatus
 from workbench.pool.world import init_group, lay_out, recreate_group
 
 log = logging.getLogger("workbench.pool.pool")
-# The hub admits an engine only after its first heartbeat (ipyparallel's 3 s period made every
-# start wait that long), and declares an engine dead after this many missed beats: an engine
-# whose whole process tree vanished (a cancelled Slurm job, a lost host) has no nanny left to
-# say so, and 6 x 0.5 s bounds how long a cell waits for it.
-HEARTBEAT_ARGS = ["--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=6"]
-# One broadcast scheduler instead of a tree: a pool is a handful of ranks, and the tree's inner
-# hops bind 127.0.0.1 whatever the controller's address, while a pool bound to the address the
-# user gave must listen on that address only.
-CONTROLLER_ARGS = [*HEARTBEAT_ARGS, "--IPController.broadcast_scheduler_depth=0"]
 
 
 class Pool:
@@ -116,7 +105,7 @@ class Pool:
         self.progress = ""  # what a start is waiting for, e.g. a pending Slurm job
         self.needs_reset = False  # set after a failed cell: re-create the group before the next
         self._loop = LoopThread()
-        self._reaper = ReaperHandle()  # stops the cluster if this process dies without stop()
+        self._engines = EngineCluster(self.launcher, self.ranks, self._note_progress)
         self.state = state if state is not None else new_publisher(publish_state)
         atexit.register(self.state.remove)  # a kernel that exits takes its pool file along
 
@@ -141,7 +130,7 @@ class Pool:
     def started(self) -> bool:
         return self.ranks.started
 
-    # the status queries, answered by ``self.ranks`` (``pool_status.RankQueries``)
+    # the status queries, answered by ``self.ranks`` (``status.RankQueries``)
     def status(self, timeout_s: float = 5.0) -> list[RankStatus]:
         """Per rank: host, pid, device, backend, memory in use, and idle, busy or dead."""
         return self.ranks.status(timeout_s)
@@ -191,67 +180,13 @@ class Pool:
                           launcher=self.launcher.engines, backend=self.requested_backend or "")
         async with self._publishing():
             try:
-                await self._start_cluster(n)
+                await self._engines.start(n, self.gpus, self.cluster_kwargs)
+                await self._bootstrap(n, set())
             except BaseException:
-                await self._discard_cluster()  # nothing of a failed start is left running
+                await self._engines.discard()  # nothing of a failed start is left running
                 raise
         log.info("pool of %d ranks started in %.1f s", n, time.perf_counter() - t0)
         return self
-
-    async def _start_cluster(self, n: int) -> None:
-        kwargs = dict(self.cluster_kwargs)
-        kwargs["controller_args"] = [*CONTROLLER_ARGS, *kwargs.get("controller_args", [])]
-        devices = rank_devices(self.gpus) if self.launcher.engines == "local" else []
-        config = cluster_config(self.launcher, n, devices)
-        if "config" in kwargs:
-            config.merge(kwargs.pop("config"))
-        self.ranks.cluster = ipp.Cluster(
-            n=n,
-            engines=engine_launcher(self.launcher),
-            controller_ip=self.launcher.controller_ip,
-            log_level=logging.WARNING,
-            config=config,
-            **kwargs,
-        )
-        await self.cluster.start_controller()
-        await self._start_engines(n)  # engines boot (and import torch) while the controller starts
-        self._arm_reaper()
-        self.ranks.client = await self.cluster.connect_client()
-        await self._bootstrap(n, set())
-
-    async def _discard_cluster(self) -> None:
-        cluster, self.ranks.cluster, self.ranks.client = self.cluster, None, None
-        self.ranks.clear()
-        if cluster is not None:
-            with _quiet(cluster), contextlib.suppress(Exception):
-                await cluster.stop_cluster()
-        self._reaper.disarm()
-
-    async def _start_engines(self, n: int) -> None:
-        """One engine set; local engines each see exactly one GPU of this host (their
-        ``CUDA_VISIBLE_DEVICES``, set by the forking launcher), remote ones pick theirs by
-        ``local_rank``."""
-        assert self.cluster is not None
-        self.ranks.engine_sets.append(await self.cluster.start_engines(n))
-
-    async def _wait_for_new_engines(self, n: int, old: set[int]) -> list[int]:
-        assert self.client is not None
-        deadline = time.monotonic() + self.start_timeout_s
-        next_check, jobs = 0.0, []
-        while True:
-            new = sorted(set(self.client.ids) - old)
-            if len(new) >= n:
-                self.progress = ""
-                return new[:n]
-            now = time.monotonic()
-            if now >= next_check and self.slurm_jobs():
-                jobs = await asyncio.to_thread(lambda: [job_state(j) for j in self.slurm_jobs()])
-                self._note_progress(watch_message(jobs, self._log_dir()))
-                next_check = now + 1.0
-            if now > deadline:
-                raise PoolError(timeout_message(len(new), n, self.start_timeout_s, jobs,
-                                                self._log_dir()))
-            await asyncio.sleep(0.05)
 
     def _note_progress(self, note: str) -> None:
         if note != self.progress:
@@ -259,15 +194,12 @@ class Pool:
             if note:
                 self.state.update("starting", error=note)
 
-    def _log_dir(self) -> str:
-        return f"{self.cluster.profile_dir}/log" if self.cluster is not None else "the log"
-
     async def _bootstrap(self, n: int, old: set[int]) -> None:
         """Assign ranks to the new engines (grouped by host) and create the process group
         (``world.py``); the rank table is filled before the group forms, as a failed group
         still leaves engines to stop."""
         assert self.client is not None
-        ids = await self._wait_for_new_engines(n, old)
+        ids = await self._engines.wait_for_new_engines(n, old, self.start_timeout_s)
         layout, self.ranks.engine_ids, mpi_ranks = await lay_out(self.client, ids, self.pool_id)
         self.ranks.hosts = layout.hosts
         self.ranks.ranks_info = await init_group(
@@ -289,16 +221,7 @@ class Pool:
         old = set(self.client.ids) | set(self.engine_ids)
         self.state.update("restarting", error=None, ranks=[])
         async with self._publishing():
-            with _quiet(self.cluster):
-                for set_id in self.ranks.engine_sets:
-                    try:
-                        await self.cluster.stop_engines(set_id)
-                    except Exception as e:  # an engine set whose engines all died already
-                        log.debug("stopping engine set %s: %s", set_id, e)
-            self.ranks.clear()
-            remove_dead_spill(self.pool_id)
-            await self._start_engines(n)
-            self._arm_reaper()
+            await self._engines.replace_engines(n)
             await self._bootstrap(n, old)
         self.needs_reset = False
         return self
@@ -306,11 +229,7 @@ class Pool:
     @property
     def pool_id(self) -> str:
         """This pool's name among others on the host (its engines' spill folders carry it)."""
-        return f"pool-{self.cluster.cluster_id}" if self.cluster is not None else "pool"
-
-    def _arm_reaper(self) -> None:
-        assert self.cluster is not None
-        arm_reaper(self._reaper, self.cluster, self.slurm_jobs(), self.pool_id, self._log_dir())
+        return self._engines.pool_id
 
     @contextlib.asynccontextmanager
     async def _publishing(self) -> Any:
@@ -332,20 +251,9 @@ class Pool:
         if self.cluster is None:
             return
         self.state.update("stopping")
-        if self.client is not None and self.engine_ids:
-            alive = [e for e in self.engine_ids if e in self.client.ids]
-            if alive:
-                ar = self.client[alive].apply_async(rank_calls.close_rank)
-                await asyncio.to_thread(ar.wait, 10)
         try:
-            if self.client is not None:
-                self.client.close()
-            with _quiet(self.cluster):
-                await self.cluster.stop_cluster()
+            await self._engines.stop()
         finally:
-            self.ranks.cluster, self.ranks.client = None, None
-            self.ranks.clear()
-            self._reaper.disarm()
             self.state.update("stopped", ranks=[], world_size=0, cell=None)
 
     # ---- sync twins -------------------------------------------------------------------
@@ -387,17 +295,3 @@ class Pool:
             return "<Pool: stopped>"
         return f"<Pool: {self.world_size} ranks, backend {self.backend}>"
 
-
-@contextlib.contextmanager
-def _quiet(cluster: ipp.Cluster) -> Iterator[None]:
-    """Silence the cluster's logger while engines stop.
-
-    Engines under ipykernel 7 exit with status 1 when stopped, and ipyparallel then logs their
-    whole output as a warning into the cell; nothing in it is news to the user.
-    """
-    level = cluster.log.level
-    cluster.log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        cluster.log.setLevel(level)

@@ -17,12 +17,18 @@ edp group as its dp axis). Each shards its own parameters over its own group, so
 the experts within their expert-data group. One inner optimizer steps the masters of both,
 and a checkpoint reads both syncs' pieces, each placed through its own view of the expert
 layouts (``layouts.py``).
+
+Offload does the same with its chunk sync (``memory/expert_chunks.py``): what the two pairs
+share, building the dense and the expert sync and handing each call to both, is
+``ExpertSyncPair``, so the split of the parameters, the optimizer and the layouts is written
+once for every strategy that runs twice.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -109,25 +115,34 @@ def split_optimizer(optimizer: torch.optim.Optimizer, replaced: dict[int, nn.Par
     return rebuild_optimizer(optimizer, dense), rebuild_optimizer(optimizer, experts)
 
 
-class ExpertGradSync(GradSync):
-    """ZeRO 0-2 over dp for non-expert parameters and over expert-dp for expert ones."""
+class ExpertSyncPair(GradSync):
+    """One data strategy run twice: over the non-expert parameters on the plan's context
+    (``self.dense``) and over the expert ones on the expert-data view of it (``self.experts``;
+    None when no expert is trainable), with the layouts as that view sees them. A subclass
+    says how one sync is built (``build``) and what each parameter view is (``view``); the
+    calls both syncs answer alike are handed to each in turn, the dense one first."""
+
+    view: type[_Subset] = _Subset  # what each of the two syncs is built over
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 ctx: ParallelContext, layouts: dict[str, ParamLayout], *, zero_stage: int,
-                 precision: str, bucket_mb: float = 8.0,
+                 ctx: ParallelContext, layouts: dict[str, ParamLayout],
                  replaced: dict[int, nn.Parameter] | None = None) -> None:
-        self.ctx, self.stage = ctx, zero_stage
-        self.expert_ctx = expert_data_context(ctx)
+        self.ctx, self.expert_ctx = ctx, expert_data_context(ctx)
         dense_opt, expert_opt = split_optimizer(optimizer, replaced or {})
-        settings = dict(zero_stage=zero_stage, precision=precision, bucket_mb=bucket_mb)
-        dense = _Subset(model, lambda p: not is_expert_parameter(p))
-        self.dense = ZeroGradSync(dense, dense_opt, ctx, layouts, **settings)
-        experts = _Subset(model, is_expert_parameter)
-        names = {n for n, _ in experts.named_parameters()}
-        self.experts = None if expert_opt is None else ZeroGradSync(
-            experts, expert_opt, self.expert_ctx, on_expert_data(layouts, names), **settings)
+        experts = self.view(model, is_expert_parameter)
+        self.expert_names = {n for n, _ in experts.named_parameters()}
+        self.dense = self.build(self.view(model, lambda p: not is_expert_parameter(p)),
+                                dense_opt, ctx, layouts, expert=False)
+        self.experts = None if expert_opt is None else self.build(
+            experts, expert_opt, self.expert_ctx, on_expert_data(layouts, self.expert_names),
+            expert=True)
 
-    def _syncs(self) -> list[ZeroGradSync]:
+    def build(self, params: nn.Module, optimizer: torch.optim.Optimizer,
+              ctx: ParallelContext, layouts: dict[str, ParamLayout], expert: bool) -> Any:
+        """One of the two syncs, over ``params`` (the dense one is built first)."""
+        raise NotImplementedError(f"{type(self).__name__} must say how a sync is built")
+
+    def syncs(self) -> list[Any]:
         return [self.dense] if self.experts is None else [self.dense, self.experts]
 
     def master_groups(self) -> list[list[torch.Tensor]]:
@@ -136,16 +151,45 @@ class ExpertGradSync(GradSync):
         return [d + e for d, e in zip(self.dense.master_groups(), self.experts.master_groups())]
 
     def prepare_backward(self, sync: bool) -> None:
-        for s in self._syncs():
+        for s in self.syncs():
             s.prepare_backward(sync)
 
-    def reduce_now(self) -> None:
-        for s in self._syncs():
-            s.reduce_now()
-
     def finish(self) -> None:
-        for s in self._syncs():
+        for s in self.syncs():
             s.finish()
+
+    def publish(self) -> None:
+        for s in self.syncs():
+            s.publish()
+
+    def zero_grads(self) -> None:
+        for s in self.syncs():
+            s.zero_grads()
+
+    def pieces(self, saving: bool, optimizer: torch.optim.Optimizer | None) -> list[StatePiece]:
+        """Both syncs' pieces; their states are the one inner optimizer's, read by master."""
+        return [piece for s in self.syncs() for piece in s.pieces(saving, optimizer)]
+
+
+class ExpertGradSync(ExpertSyncPair):
+    """ZeRO 0-2 over dp for non-expert parameters and over expert-dp for expert ones."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 ctx: ParallelContext, layouts: dict[str, ParamLayout], *, zero_stage: int,
+                 precision: str, bucket_mb: float = 8.0,
+                 replaced: dict[int, nn.Parameter] | None = None) -> None:
+        self.stage = zero_stage
+        self.settings = dict(zero_stage=zero_stage, precision=precision, bucket_mb=bucket_mb)
+        super().__init__(model, optimizer, ctx, layouts, replaced)
+
+    def build(self, params: nn.Module, optimizer: torch.optim.Optimizer,
+              ctx: ParallelContext, layouts: dict[str, ParamLayout],
+              expert: bool) -> ZeroGradSync:
+        return ZeroGradSync(params, optimizer, ctx, layouts, **self.settings)
+
+    def reduce_now(self) -> None:
+        for s in self.syncs():
+            s.reduce_now()
 
     def master_grads(self) -> list[GradShard]:
         """The expert shards differ across the ep ranks too, so they count as sharded over dp
@@ -157,22 +201,10 @@ class ExpertGradSync(GradSync):
                        for s in self.experts.master_grads()]
         return shards
 
-    def publish(self) -> None:
-        for s in self._syncs():
-            s.publish()
-
-    def zero_grads(self) -> None:
-        for s in self._syncs():
-            s.zero_grads()
-
     def memory_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Both syncs' bytes, the optimizer states (which each of them reads from the one
         inner optimizer) counted once."""
-        parts = [s.memory_breakdown(optimizer) for s in self._syncs()]
+        parts = [s.memory_breakdown(optimizer) for s in self.syncs()]
         out = {k: sum(p[k] for p in parts) for k in parts[0]}
         out["optimizer"] -= (len(parts) - 1) * tensor_bytes(optimizer_state_tensors(optimizer))
         return out
-
-    def pieces(self, saving: bool, optimizer: torch.optim.Optimizer | None) -> list[StatePiece]:
-        """Both syncs' pieces; their states are the one inner optimizer's, read by master."""
-        return [piece for s in self._syncs() for piece in s.pieces(saving, optimizer)]
