@@ -123,6 +123,9 @@ class ExpertSyncPair(GradSync):
     calls both syncs answer alike are handed to each in turn, the dense one first."""
 
     view: type[_Subset] = _Subset  # what each of the two syncs is built over
+    dense: Any  # the non-expert parameters' sync
+    experts: Any  # the expert parameters' sync, or None
+    expert_names: set[str]  # the expert parameters, by name
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  ctx: ParallelContext, layouts: dict[str, ParamLayout],
