@@ -12,6 +12,7 @@ ends every process it started, the rank pool included, and returns its devices.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import html
 import sys
@@ -129,7 +130,9 @@ class DeviceShareSpawner(LocalProcessSpawner):
             for proc in tree:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     proc.terminate()
-            _, alive = psutil.wait_procs(tree, timeout=5)
+            # in a thread: waiting here blocked the hub's event loop for up to 5 s per stopped
+            # server ("Event loop was unresponsive"), every other user's request with it
+            _, alive = await asyncio.to_thread(psutil.wait_procs, tree, timeout=5)
             for proc in alive:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     proc.kill()

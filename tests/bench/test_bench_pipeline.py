@@ -61,6 +61,7 @@ def test_report_has_its_sections_and_numbers(measured, capsys):
     assert set(summary["speed"]) == set(THEIRS.values())
 
 
+@pytest.mark.slow  # the same 2-rank measurement: make test-bench (the fast tier starts none)
 def test_first_stage_holds_fewer_activations_under_1f1b(measured):
     first = next(r for r in measured if r["stage"] == 0)["peak"]
     assert first["1f1b"] < first["gpipe"]
@@ -70,6 +71,7 @@ def test_first_stage_holds_fewer_activations_under_1f1b(measured):
         assert first[theirs] == pytest.approx(first[ours], rel=0.01)
 
 
+@pytest.mark.slow  # the same 2-rank measurement: make test-bench
 def test_every_schedule_gives_the_same_loss(measured):
     last = next(r for r in measured if r["stage"] == SHAPE.pp - 1)["first_loss"]
     ours = [last[n] for n in OURS]

@@ -203,6 +203,7 @@ def _evaluated(rank: int, world: int, plan: str) -> float:
     return eval_step(model, [(p, p) for p in ids.chunk(4)])
 
 
+@pytest.mark.slow  # four plans on the 2-rank pool, ~5 s: make test
 def test_eval_step_runs_the_forward_only_schedule_like_one_process(ranks):
     import transformers
 

@@ -176,6 +176,11 @@ def _measure(rank: int, world: int, plans: list[str]) -> dict:
 DISK = f"dp=1 zero=2 {ALL} host_mem=0"
 
 
+# The tests on the measured run are make test's (slow): the run starts a rank and trains three
+# plans and a trial, ~5 s that make test-fast (3 min on 2 cores) cannot spare.
+ON_A_RANK = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def measured() -> dict:
     return run_ranks(_measure, 1, [f"dp=1 zero=2 {ALL}", f"dp=1 zero=3 {ALL}", DISK])[0]
@@ -185,6 +190,7 @@ def measured() -> dict:
 RUN = dataclasses.replace(TINY, batch=16)
 
 
+@ON_A_RANK
 @pytest.mark.parametrize("zero", [2, 3])
 def test_predicted_tiers_and_moves_equal_the_runtime_accounts(measured, zero):
     plan = f"dp=1 zero={zero} {ALL}"
@@ -197,6 +203,7 @@ def test_predicted_tiers_and_moves_equal_the_runtime_accounts(measured, zero):
     assert {k: float(v) for k, v in got["moved"].items()} == p.moved_bytes()  # exact
 
 
+@ON_A_RANK
 def test_predicted_disk_traffic_equals_the_runtimes(measured):
     """Everything on disk: what the runtime read and wrote in a step (the last one's deferred
     steps inside it) is the prediction, byte for byte."""
@@ -204,6 +211,7 @@ def test_predicted_disk_traffic_equals_the_runtimes(measured):
     assert {k: float(v) for k, v in measured[DISK]["moved"].items()} == p.moved_bytes()
 
 
+@ON_A_RANK
 @pytest.mark.parametrize("zero", [2, 3])
 def test_predicted_device_peak_within_10_percent(measured, zero):
     plan = f"dp=1 zero={zero} {ALL}"
@@ -212,6 +220,7 @@ def test_predicted_device_peak_within_10_percent(measured, zero):
     assert measured[plan]["device_peak"] == pytest.approx(device, rel=0.10)
 
 
+@ON_A_RANK
 def test_a_trial_of_an_offload_plan_runs_and_its_memory_is_predicted(measured):
     trial = measured["trial"]
     assert trial["step_s"] and trial["step_s"][0] > 0

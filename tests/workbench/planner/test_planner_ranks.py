@@ -70,11 +70,14 @@ def _memory_and_calibration(rank: int, world: int) -> dict:
     return {"memory": memory, "calibration": calibration}
 
 
+# The tests on two_ranks are make test's (slow): its 2 ranks measure 8 plans and calibrate,
+# ~5 s that make test-fast (3 min on 2 cores) cannot spare.
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
     return run_ranks(_memory_and_calibration, 2)
 
 
+@pytest.mark.slow
 def test_predicted_model_states_equal_memory_breakdown(two_ranks):
     world = 2
     psi = sum(p.numel() for p in _proxy_model().parameters())
@@ -118,6 +121,7 @@ def _sane(profile) -> None:
     assert 0.0 <= profile.overlap <= 1.0 and profile.device_memory > 1e8
 
 
+@pytest.mark.slow
 def test_calibration_on_ranks_is_sane(two_ranks):
     profile = from_measurements([r["calibration"] for r in two_ranks])
     _sane(profile)
