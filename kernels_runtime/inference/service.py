@@ -11,7 +11,11 @@ ranks, waiting in the share, never reach their collective timeout.
 What the front end gets per changed request is append-only: new token ids and new text (its
 token counts and timings come with its last delta only). Text
 is held back while it ends in an unfinished character (a byte token may be half of one) or could
-be the start of a stop string, so streamed text is never taken back.
+be the start of a stop string, so streamed text is never taken back. A step that leaves a
+request with no new text to show (and does not finish it) sends nothing for it: its tokens go
+with the request's next delta, so the front end is not woken for a delta its client cannot see
+(issue 30: every wake-up of the serving process takes CPU the ranks share). Without a
+tokenizer (no text at all) every step's tokens are sent.
 ``stop`` drains: requests already in the engine finish, then the loop returns.
 
 A request's failure never ends the loop (``admit``); a failure of the step itself does: the
@@ -83,7 +87,9 @@ class DeltaTracker:
         self.stops = stops  # request id -> its stop strings
         self.sent: dict[str, tuple[int, int]] = {}  # request id -> (tokens, characters)
 
-    def delta(self, out: RequestOutput) -> dict[str, Any]:
+    def delta(self, out: RequestOutput) -> dict[str, Any] | None:
+        """What is new for ``out``'s request, or None when there is nothing to show yet (no
+        new text, not finished: its tokens go with its next delta)."""
         tokens, chars = self.sent.get(out.request_id, (0, 0))
         text = out.text
         stable = None
@@ -95,6 +101,8 @@ class DeltaTracker:
                 longest = max((len(s) for s in self.stops(out.request_id)), default=0)
                 stable = max(chars, min(stable, len(text) - max(0, longest - 1)))
         new_text = None if text is None else text[chars:stable]
+        if new_text == "" and not out.finished and out.error is None:
+            return None
         message = {"id": out.request_id, "token_ids": out.token_ids[tokens:], "text": new_text,
                    "finish_reason": out.finish_reason, "error": out.error}
         if out.finished:  # the counts and timings once, with the last: a step's message stays
@@ -179,8 +187,9 @@ def serve(engine: Any, receive: Callable[[float], list[Command]] | None,
                            "status": 500} for rid in sorted(running)])
                 raise ReplicaFailed(why) from err
             step_end_ns = time.monotonic_ns() if profile else 0
-            if leader and changed:
-                deltas = [tracker.delta(out) for out in changed]
+            deltas = [d for d in map(tracker.delta, changed) if d is not None] \
+                if leader else []
+            if deltas:
                 if profile:  # one list shared by the step's deltas: the sender appends to it
                     stamps = [turn_ns, step_ns, step_end_ns]
                     for d in deltas:

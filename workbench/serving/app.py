@@ -40,13 +40,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kernels_runtime.inference.commands import Command
 from workbench.serving import openai_api as api
 from workbench.serving import openapi_schema
 from workbench.serving.bridge import Unavailable
 from workbench.serving.openai_api import ApiError
+from workbench.serving.sse import EventStream, event_template
 
 MAX_BODY = 8 * 2**20  # bytes; a longer prompt than any context holds, with room for JSON
 DEFAULT_MAX_INFLIGHT = 256  # requests being answered at once (workbench serve --max-inflight)
@@ -204,7 +205,7 @@ def create_app(server: Any) -> FastAPI:
         except BaseException:
             server.active -= 1
             raise
-        if not isinstance(response, StreamingResponse):
+        if not isinstance(response, EventStream):
             server.active -= 1
         return response
 
@@ -236,9 +237,8 @@ def create_app(server: Any) -> FastAPI:
         if streaming:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             server.metrics.requests.labels(route, "200").inc()
-            return StreamingResponse(
+            return EventStream(
                 stream(kind, rid, model, first, queue, include_usage, deadline),
-                media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         delta, text = first, first.get("text") or ""
         try:
@@ -296,6 +296,9 @@ def create_app(server: Any) -> FastAPI:
         queued for the request by then (``_take``), so a client whose events fall behind the
         engine's steps costs one event per catch-up, not one per step."""
         delta, done, dequeued_ns = first, False, 0
+        text_event = event_template(  # a text event without a finish: only its text varies
+            (lambda t: api.completion_chunk(rid, model, t, None)) if kind == "completion"
+            else (lambda t: api.chat_chunk(rid, model, {"content": t}, None)))
         # the deadline arrives as an item on the queue: one timer per request, not per delta
         loop = asyncio.get_running_loop()
         timer = loop.call_later(max(0.0, deadline - time.monotonic()), queue.put_nowait,
@@ -311,7 +314,9 @@ def create_app(server: Any) -> FastAPI:
                     parts.pop()
                 reason = None if late or delta.get("error") else delta.get("finish_reason")
                 text = "".join(p.get("text") or "" for p in parts)
-                if text or reason is not None:
+                if text and reason is None:
+                    yield text_event(text)
+                elif reason is not None:
                     chunk = api.completion_chunk(rid, model, text, reason) \
                         if kind == "completion" else \
                         api.chat_chunk(rid, model, {"content": text} if text else {},
