@@ -2,9 +2,10 @@
 
 The engine is built on every rank of a pool, like ``parallelize``: the model is parallelized
 without an optimizer (``parallelize_model``: tensor-parallel heads, pipeline stages, weights on
-host or disk under an offloading plan), a paged KV cache is sized from ``kv_mem``, and each
-``step()`` runs one forward over the tokens the scheduler picked (``scheduler.py``), samples the
-requests that reached the end of their tokens and retires the finished ones. LoRA adapters
+host or disk under an offloading plan), a paged KV cache is sized from ``kv_mem`` (both set up
+in ``engine_setup.py``), and each ``step()`` runs one forward over the tokens the scheduler
+picked (``scheduler.py``), samples the requests that reached the end of their tokens and
+retires the finished ones. LoRA adapters
 (``adapters={name: folder}``) ride on the base weights, so requests naming different adapters,
 or none, share every step (``adapters.py``). Requests with ``speculate`` on verify
 drafted tokens copied from their own context in the same forward (``speculation.py``), or
@@ -34,26 +35,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels_runtime.byte_sizes import human_bytes, parse_bytes
 from kernels_runtime.inference.adapters import AdapterSet
 from kernels_runtime.inference.attention import PagedLayer, install
 from kernels_runtime.inference.batch import StepBatch, build_batch
 from kernels_runtime.inference.blocks import BlockPool
 from kernels_runtime.inference.compiled import compile_runner
 from kernels_runtime.inference.draft import speculator
-from kernels_runtime.inference.kv_cache import PagedKVCache, blocks_for, bytes_per_block
+from kernels_runtime.inference.engine_setup import kv_blocks, parallelized_for_inference
+from kernels_runtime.inference.kv_cache import PagedKVCache
 from kernels_runtime.inference.model_reading import attention_modules, eos_token_ids
-from kernels_runtime.inference.moe_plans import (
-    dense_context,
-    moe_policy,
-    moe_problem,
-    parallelized_problem,
-    replicas,
-    split_experts,
-)
+from kernels_runtime.inference.moe_plans import replicas
 from kernels_runtime.inference.params import RequestOutput, SamplingParams
 from kernels_runtime.inference.pipelined import overlap_steps
-from kernels_runtime.inference.plans import inference_plan, inference_problem
 from kernels_runtime.inference.requests import (
     RequestError,
     check_fits,
@@ -66,15 +59,8 @@ from kernels_runtime.inference.sampling import new_generator, sample, stop_check
 from kernels_runtime.inference.scheduler import ScheduledStep, Scheduler
 from kernels_runtime.inference.sequence import Sequence
 from kernels_runtime.inference.speculation import target_tokens
-from kernels_runtime.mesh.context import ParallelContext
-from kernels_runtime.mesh.plan import Plan, PlanError
-from kernels_runtime.parallel.state import parallel_state
+from kernels_runtime.mesh.plan import Plan
 from kernels_runtime.precision import compute_dtype
-
-# the default KV cache of all ranks sharing a device (or host) together takes at most this
-# share of its memory free after the weights loaded: the rest is for activations, the runtime
-# and, on a host, everything else running there
-KV_SHARE = 0.5
 
 
 class Engine:
@@ -93,25 +79,11 @@ class Engine:
                  draft_model: nn.Module | str | os.PathLike | None = None,
                  pipeline_overlap: bool | None = None, compile_model: bool = False,
                  verbose: bool = True) -> None:
-        from kernels_runtime.api import parallelize_model
-
         if block_size < 1 or max_num_seqs < 1 or max_batch_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_batch_tokens must be >= 1")
-        state, ep = parallel_state(model), 1
-        if state is None:
-            if ctx is None:
-                ctx = ParallelContext.build(inference_plan(plan), comm)
-            problem = inference_problem(ctx.plan) or moe_problem(model, ctx.plan)
-            if problem:
-                raise PlanError(problem)
-            model = parallelize_model(model, ctx=dense_context(ctx), policy=moe_policy(model),
-                                      spill_dir=spill_dir, verbose=verbose)
-            state, ep = parallel_state(model), ctx.plan.ep
-            split_experts(model, state, ctx, verbose)  # mixture-of-experts: moe_plans.py
-        assert state is not None
-        problem = inference_problem(state.ctx.plan) or parallelized_problem(state.ctx.plan)
-        if problem:
-            raise PlanError(problem)
+        # the model split over ranks, host and disk; a plan it cannot serve refused
+        model, state, ep = parallelized_for_inference(model, plan, ctx, comm, spill_dir,
+                                                      verbose)  # (engine_setup.py)
         self.model, self.state, self.ctx = model.eval(), state, state.ctx
         self.replicas = replicas(self.ctx, ep)  # under ep, an ep group is one replica
         self.tokenizer, self.block_size = tokenizer, block_size
@@ -124,15 +96,9 @@ class Engine:
         self.runner = ModelRunner(model, state, attention, hidden, dtype)
         shapes = self.runner.probe()
         self.vocab = int(config.vocab_size) if config is not None else self.runner.vocab
-        self.kv_mem = self._budget(kv_mem, shapes, dtype, max_num_seqs)
-        blocks = torch.tensor([blocks_for(self.kv_mem, shapes, block_size, dtype)])
-        self.ctx.comm.all_reduce(blocks, op=dist.ReduceOp.MIN)  # one block table fits all
-        num_blocks = int(blocks)
-        if num_blocks < 1:
-            per = bytes_per_block(shapes, block_size, dtype)
-            raise ValueError(f"kv_mem={human_bytes(self.kv_mem)} holds no KV block of "
-                             f"{block_size} tokens ({human_bytes(per)} on this rank); give at "
-                             "least that")
+        # this rank's KV budget, and the blocks every rank's fits (engine_setup.py)
+        self.kv_mem, num_blocks = kv_blocks(kv_mem, shapes, dtype, block_size, max_num_seqs,
+                                            self.max_model_len, self.ctx)
         self.cache = PagedKVCache(shapes, num_blocks, block_size, dtype, self.ctx.device)
         self.runner.layers = install(attention, self.cache) if attention is not None \
             else [PagedLayer(self.cache, i) for i in range(len(shapes))]
@@ -155,21 +121,6 @@ class Engine:
         # summed over steps: tokens in the cache, slots of the blocks allocated for them, and
         # what contiguous allocation would reserve (prompt + max_new_tokens, or the context)
         self.kv_trace = dict.fromkeys(("tokens", "slots", "reserved", "context"), 0)
-
-    def _budget(self, kv_mem: int | str | None, shapes: list, dtype: torch.dtype,
-                max_num_seqs: int) -> int:
-        if kv_mem is not None:
-            return parse_bytes(kv_mem)
-        # default: every sequence at full length, capped at KV_SHARE of the memory free now
-        # (the weights are loaded) on this rank's device, or its host, divided among the ranks
-        # sharing it; the cache's pages are taken as blocks are written (kv_cache.py)
-        per_token = bytes_per_block(shapes, 1, dtype)
-        want = max_num_seqs * min(self.max_model_len, 4096) * per_token
-        from kernels_runtime.comm.accelerator import Accelerator
-        from kernels_runtime.memory.free import default_budget, local_ranks
-
-        return default_budget(Accelerator.for_backend(dist.get_backend()), KV_SHARE, want,
-                              local_ranks(dist.get_world_size()))
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: Any, params: SamplingParams | None = None,

@@ -10,6 +10,7 @@ only made equal across replicas and cast to the compute dtype (zero 0-2), or sha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from torch import nn
 
 from kernels_runtime.deferred_params import allocate, has_deferred, move_real, to_be_loaded
 from kernels_runtime.mesh.context import ParallelContext
+from kernels_runtime.mesh.plan import Plan
+from kernels_runtime.optim.sync import GradSync
 from kernels_runtime.parallel.data.fsdp import FsdpGradSync, FsdpState, shard_model
 from kernels_runtime.parallel.data.replicated import ReplicatedState
 from kernels_runtime.parallel.data.zero import ZeroGradSync, cast_params
@@ -57,20 +60,35 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
                                            replaced=state.replaced_params)
             state.model_state = state.grad_sync
     else:
-        if state.optimizer is None:
-            cast_params(model, compute_dtype(plan.precision))
-            state.model_state = ReplicatedState(model, ctx, state.layouts)
-        else:
-            state.grad_sync = ZeroGradSync(model, state.optimizer, ctx, state.layouts,
-                                           zero_stage=plan.zero_stage, precision=plan.precision,
-                                           bucket_mb=state.bucket_mb,
-                                           replaced=state.replaced_params)
-            state.model_state = state.grad_sync
-    if (offloading or plan.zero_stage != 3) and plan.precision != "fp32":
-        model.register_forward_pre_hook(input_caster(compute_dtype(plan.precision)),
-                                        with_kwargs=True)
+        replicated_state(model, state, ctx, ZeroGradSync)
+    cast_inputs(model, plan)
     state.applied.append("data")
     return model
+
+
+def replicated_state(model: nn.Module, state: ParallelState, ctx: ParallelContext,
+                     grad_sync: Callable[..., GradSync]) -> None:
+    """Zero 0-2's state: without an optimizer, parameters cast to the compute dtype and
+    described as replicas over their layouts; with one, ``grad_sync`` (``ZeroGradSync``, or the
+    expert package's ``ExpertGradSync``, which syncs each kind of parameter over its own
+    group) on flat buckets, which is also the model's state layout."""
+    plan = state.ctx.plan
+    if state.optimizer is None:
+        cast_params(model, compute_dtype(plan.precision))
+        state.model_state = ReplicatedState(model, ctx, state.layouts)
+        return
+    state.grad_sync = grad_sync(model, state.optimizer, ctx, state.layouts,
+                                zero_stage=plan.zero_stage, precision=plan.precision,
+                                bucket_mb=state.bucket_mb, replaced=state.replaced_params)
+    state.model_state = state.grad_sync
+
+
+def cast_inputs(model: nn.Module, plan: Plan) -> None:
+    """Floating-point inputs cast to the compute dtype, unless FSDP2 (zero 3 without offload)
+    casts them itself or the plan computes in fp32."""
+    if (plan.offload != "none" or plan.zero_stage != 3) and plan.precision != "fp32":
+        model.register_forward_pre_hook(input_caster(compute_dtype(plan.precision)),
+                                        with_kwargs=True)
 
 
 def sync_module_states(model: nn.Module, ctx: ParallelContext) -> None:

@@ -18,13 +18,10 @@ from torch import nn
 from kernels_runtime.deferred_params import allocate, move_real, to_be_loaded
 from kernels_runtime.mesh.context import ParallelContext
 from kernels_runtime.parallel.data import applier as data
-from kernels_runtime.parallel.data.replicated import ReplicatedState
-from kernels_runtime.parallel.data.zero import cast_params
 from kernels_runtime.parallel.expert.grad_sync import ExpertGradSync, set_expert_grad_scale
 from kernels_runtime.parallel.expert.moe_layer import is_expert_parameter
 from kernels_runtime.parallel.expert.zero3 import apply_zero3
 from kernels_runtime.parallel.state import ParallelState
-from kernels_runtime.precision import compute_dtype
 
 
 def sync_replicas(model: nn.Module, ctx: ParallelContext) -> None:
@@ -53,18 +50,10 @@ def apply(model: nn.Module, state: ParallelState) -> nn.Module:
         pass  # the offload applier lays both kinds out in chunks (memory/expert_chunks.py)
     elif plan.zero_stage == 3:
         apply_zero3(model, state)
-    elif state.optimizer is None:
-        cast_params(model, compute_dtype(plan.precision))
-        # the expert layouts (box along the expert dim, replicas over expert-dp) say it all
-        state.model_state = ReplicatedState(model, ctx, state.layouts)
     else:
-        state.grad_sync = ExpertGradSync(model, state.optimizer, ctx, state.layouts,
-                                         zero_stage=plan.zero_stage, precision=plan.precision,
-                                         bucket_mb=state.bucket_mb,
-                                         replaced=state.replaced_params)
-        state.model_state = state.grad_sync
-    if (offloading or plan.zero_stage != 3) and plan.precision != "fp32":  # FSDP2 casts
-        model.register_forward_pre_hook(data.input_caster(compute_dtype(plan.precision)),
-                                        with_kwargs=True)
+        # without an optimizer the expert layouts (box along the expert dim, replicas over
+        # expert-dp) say it all; with one, each kind is synced over its own group
+        data.replicated_state(model, state, ctx, ExpertGradSync)
+    data.cast_inputs(model, plan)
     state.applied.append("data")
     return model

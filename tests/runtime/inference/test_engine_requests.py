@@ -1,7 +1,8 @@
 """What the engine does with each request: bad ones get a clear error of their own without
 disturbing the rest, aborts give their blocks back, swapped requests continue exactly, seeded
 sampling repeats on every run and plan, stop strings and stop tokens end the output where they
-appear, and a request the cache can never hold is refused at once.
+appear, a request the cache can never hold is refused at once, and a ``kv_mem`` that holds no
+block refuses the engine.
 
 The trained tiny GPT-2 of ``helpers/inference.py`` on real gloo ranks; greedy references are HF
 ``generate``'s.
@@ -193,3 +194,16 @@ def _never_fits(rank: int, world: int, path: str) -> str | None:
 def test_a_request_the_cache_can_never_hold_is_refused(ranks, trained):
     error = ranks(1).run(_never_fits, trained["gpt2"])[0]
     assert "5 blocks of 16, but the cache has 4 blocks (kv_mem=64.0 KiB)" in error, error
+
+
+def _no_block(rank: int, world: int, path: str) -> str:
+    try:
+        _engine("gpt2", path, kv_mem="8KiB")  # half of one 16-token block
+    except ValueError as err:
+        return str(err)
+    return "built"
+
+
+def test_a_kv_mem_that_holds_no_block_refuses_the_engine_naming_a_blocks_size(ranks, trained):
+    error = ranks(1).run(_no_block, trained["gpt2"])[0]
+    assert "kv_mem=8.00 KiB holds no KV block of 16 tokens (16.0 KiB on this rank)" in error, error
