@@ -181,6 +181,12 @@ def report(out: dict) -> dict:
             zip(times["disk, everything"], out["timelines"]["disk, everything"], bounds)]
     print(f"  the same less the time the compute thread waited for a CPU (other processes' "
           f"load): {spread(busy, 2)}")
+    # the same rounds' step without offload: what is the disk tier's own, whatever the load;
+    # and that step over the bound, the least the ratio above could be on this machine now
+    beside = [d / n for d, n in zip(times["disk, everything"], times["no offload"])]
+    floor = [n / b for n, b in zip(times["no offload"], bounds)]
+    print(f"  disk-tier step / the same round's step without offload: {spread(beside, 2)}; "
+          f"no-offload step / bound (the least the ratio could be): {spread(floor, 2)}")
     from bench.memory import capacity as memory_capacity
     from bench.memory import cgroup as memory_cgroup
 

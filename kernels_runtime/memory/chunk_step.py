@@ -113,9 +113,10 @@ class ChunkStepper:
         self.reducer.drain()
         self.unpin()
         store.cancel_uploads()  # device copies of parameters about to change
-        store.drop_reads()  # read-aheads for a use that did not come
         order = [c.index for c in t.chunks if t.grad[c.index] is not None]
         later = [i for i in order if self.deferred.defers(i)]  # stepped at their next use
+        # read-aheads for a use that did not come, but not those of the deferred steps to come
+        store.drop_reads(keep=self.deferred.read_ahead_keys(later))
         now = [i for i in order if i not in later]
         for k, i in enumerate(now):
             if k + 1 < len(now):
@@ -351,5 +352,8 @@ class ChunkStepper:
         return {"params": params, "grads": grads, "optimizer": masters + states}
 
     def tier_bytes(self) -> dict[str, int]:
-        """Bytes of model state resident per tier now (device counts working buffers)."""
-        return {t.label: int(self.table.store.used[t]) for t in Tier}
+        """Bytes of model state resident per tier now (device counts working buffers; the
+        host's, disk reads ahead of their use, are state still on disk)."""
+        store = self.table.store
+        return {t.label: int(store.used[t] - (store.working[t] if t == Tier.HOST else 0))
+                for t in Tier}

@@ -262,6 +262,8 @@ class ChunkGradSync(GradSync):
                 b.held.add(i)
         self.frozen.hold(u)
         self._prefetch_unit(u - 1)  # backward runs the units in reverse
+        if 2 * u <= len(self.units):  # the disk idles in backward's second half: the next
+            self.deferred.read_ahead()  # step's first deferred chunks start coming
 
     def _end_of_backward(self) -> None:
         self.reducer.end_of_backward()  # the chunks it did not reach too, and waits

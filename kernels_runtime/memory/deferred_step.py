@@ -9,6 +9,18 @@ before (``WINDOW`` chunks ahead) and its writes behind, so the disk works while 
 before compute. The freshly published parameters go straight to that forward: they are not
 written to disk and read back first.
 
+The forward then carries most of the step's disk traffic (a chunk's four reads and four writes)
+while the backward moves only parameters and gradients: measured on the bench's disk tier, the
+disk was busy all forward long and mostly idle in backward. So the backward's second half
+already reads the masters and optimizer states of the first chunks the next forward steps,
+``WINDOW`` of the largest one's bytes (``read_ahead``: they do not change before that step,
+and the step keeps those reads, ``drop_reads(keep=...)``), and the host buffers one window of
+chunk steps keeps in flight are kept for reuse between steps (``TierStore.size_host_pool``)
+rather than returned to the system and faulted in again (about 150 MiB a step on the bench).
+The writes of a window of chunk steps may stay behind (``TierStore.widen_write_behind``, unless
+set by hand): at the default 64 MiB, about one chunk step's writes, the compute thread waited
+for writes whenever reads and writes shared the disk (40-50 ms a step on the bench).
+
 What ``optimizer.step()`` promised still holds for anyone who looks: every path to a chunk's
 parameters, gradient, master or states completes its pending step first (gathering for a
 forward, a reduction of its gradient, ``pieces`` for checkpoints, publishing, a next step,
@@ -83,6 +95,44 @@ class DeferredSteps:
         if isinstance(scale, torch.Tensor):  # read once now, not once per chunk in a forward
             scale = scale.to("cpu")
         self._deferred_scale = scale
+        t = self.table
+        if chunks:  # writes behind a window of chunk steps, the buffers of a window and them
+            per_chunk = max(sum(p.nbytes for p in self._step_payloads(i)) + t.param[i].nbytes
+                            for i in chunks)
+            t.store.widen_write_behind(WINDOW * per_chunk)
+            t.store.size_host_pool((WINDOW + 1) * per_chunk + t.store.write_behind_bytes)
+
+    def ahead(self) -> list[int]:
+        """The chunks whose deferred step a next ``step()`` runs first: trained chunks whose
+        step reads the disk, in chunk order, as many as hold ``WINDOW`` of the largest one's
+        master and states (small chunks, embeddings and norms, count for their bytes)."""
+        t = self.table
+        chunks = [c.index for c in t.chunks if not c.frozen and self.defers(c.index)]
+        sizes = [sum(p.nbytes for p in [t.master[i], *t.states[i].values()]) for i in chunks]
+        budget, out = WINDOW * max(sizes, default=0), []
+        for i, size in zip(chunks, sizes):
+            if budget <= 0:
+                break
+            out.append(i)
+            budget -= size
+        return out
+
+    def read_ahead(self) -> None:
+        """Start reading the masters and optimizer states of the chunks a next step runs
+        first (``ahead``), before that step (in backward, while the disk is otherwise idle;
+        the gradients are still to come). Nothing while steps are pending."""
+        if self._deferred:
+            return
+        t = self.table
+        for i in self.ahead():
+            for p in [t.master[i], *t.states[i].values()]:
+                t.placer.prefetch(p)
+
+    def read_ahead_keys(self, chunks: list[int]) -> set[str]:
+        """Keys of the reads ``read_ahead`` started that a step deferring ``chunks`` uses."""
+        t = self.table
+        return {p.key for i in set(self.ahead()) & set(chunks)
+                for p in [t.master[i], *t.states[i].values()]}
 
     def prefetch_step(self, i: int) -> None:
         """Start reading what chunk ``i``'s step reads."""

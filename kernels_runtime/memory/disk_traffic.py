@@ -5,7 +5,11 @@ The disk half of ``TierStore`` (``tiers.py``), an object it owns: what it reads 
 as the store's functions, and everything else it reads is its own. Writes are
 write-behind: the memory is released when the write completes, at most ``write_behind_bytes``
 in flight (a fetch before completion reuses it). Reads can start early (``prefetch``) and are
-waited for at the fetch. Both run on the disk store's threads (``disk.py``).
+waited for at the fetch. Both run on the disk store's threads (``disk.py``). A read-ahead of a
+payload whose write is still in flight reads nothing: the write's memory is kept for the fetch
+when the write completes (``_wanted``), instead of being released and read back from disk at
+the fetch, synchronously (measured on the disk tier's bench: 30-40 ms a step the compute thread
+waited on a gradient read that way, behind the read-aheads queued before it).
 
 A payload's file outlives its read-back: while the payload's values are unchanged it is a copy
 (``Payload.copy_on_disk``), so evicting the payload again costs no write, only the memory it
@@ -37,13 +41,14 @@ class DiskTraffic:
 
     ``disk``: makes the disk store (``disk.py``) at its first use, or None (no disk tier);
     ``host_empty(numel, dtype)``: an uninitialised (aligned) host buffer; ``charge`` and
-    ``uncharge(tier, nbytes)``: the store's accounts; ``release(payload, data)``: memory that
+    ``uncharge(tier, nbytes, working=False)``: the store's accounts (a read-ahead's buffer is
+    working memory: the payload's state is still on disk); ``release(payload, data)``: memory that
     held a payload's values, for reuse; ``waiting``: the context the caller's waits run in."""
 
     def __init__(
         self, disk: Callable[[], object] | None, *,
         host_empty: Callable[[int, torch.dtype], torch.Tensor],
-        charge: Callable[[Tier, int], None], uncharge: Callable[[Tier, int], None],
+        charge: Callable[..., None], uncharge: Callable[..., None],
         release: Callable[[Payload, torch.Tensor], None],
         waiting: Callable[[], contextlib.AbstractContextManager],
     ) -> None:
@@ -54,8 +59,11 @@ class DiskTraffic:
         self.wait_seconds = 0.0  # waited for disk reads and writes since the store's reset
         self._reads: dict[str, tuple[Future, torch.Tensor]] = {}
         self._writes: dict[str, tuple[Future, torch.Tensor, Payload]] = {}
+        self._wanted: set[str] = set()  # read ahead while written: the write's memory stays
+        self._kept: set[str] = set()  # of ``_reads``: a write's memory, nothing read from disk
         self._files: dict[str, int] = {}  # key -> bytes of its file in the spill folder
-        self.write_behind_bytes = WRITE_BEHIND_BYTES
+        self._write_behind = WRITE_BEHIND_BYTES
+        self._write_behind_set = False  # set by hand: ``widen_write_behind`` leaves it
         self.writes_skipped = 0  # evictions to disk whose file already held the values
 
     @property
@@ -65,6 +73,22 @@ class DiskTraffic:
                 raise RuntimeError("no disk tier was configured for this placement")
             self._disk = self._disk_factory()
         return self._disk
+
+    @property
+    def write_behind_bytes(self) -> int:
+        """The most spilled bytes still held in memory while written (``reap`` waits past
+        it)."""
+        return self._write_behind
+
+    @write_behind_bytes.setter
+    def write_behind_bytes(self, nbytes: int) -> None:
+        self._write_behind, self._write_behind_set = int(nbytes), True
+
+    def widen_write_behind(self, nbytes: int) -> None:
+        """Raise the default ``write_behind_bytes`` to ``nbytes`` (a value set by hand
+        stays): what a window of deferred chunk steps writes (``deferred_step.py``)."""
+        if not self._write_behind_set:
+            self._write_behind = max(self._write_behind, int(nbytes))
 
     @property
     def file_bytes(self) -> int:
@@ -91,17 +115,19 @@ class DiskTraffic:
         """Start reading a disk payload back into host memory (no wait)."""
         if payload.tier != Tier.DISK or payload.key in self._reads:
             return
-        if payload.key in self._writes:  # still in memory: the fetch will reuse it
+        if payload.key in self._writes:  # still in memory: the fetch will reuse it (and the
+            self._wanted.add(payload.key)  # write's completion keeps it, ``_collect``)
             return
         buffer = self._host_empty(payload.numel, payload.dtype)
         self._reads[payload.key] = (self.disk.read(payload.key, buffer), buffer)
-        self._charge(Tier.HOST, payload.nbytes)  # the read buffer is host memory from now on
+        self._charge(Tier.HOST, payload.nbytes, True)  # the read buffer: host working memory
 
     def read_back(self, payload: Payload, fill: bool = True) -> tuple[torch.Tensor | None, int]:
         """The host memory holding a disk payload's values and the bytes read from disk for
         it; ``fill=False`` (the caller overwrites every value): no read, and None unless memory
         is at hand already (a write-behind's, or a read-ahead's once it completed)."""
         written = self._writes.pop(payload.key, None)
+        self._wanted.discard(payload.key)
         if written is not None:  # write-behind not collected yet: its memory still holds it
             self._collect(written)
             return written[1], 0
@@ -110,19 +136,27 @@ class DiskTraffic:
         self.prefetch(payload)
         future, buffer = self._reads.pop(payload.key)
         self._wait(future)  # (without fill: the buffer is being written; let it finish)
-        self._uncharge(Tier.HOST, payload.nbytes)  # re-charged by the move to its new tier
+        self._uncharge(Tier.HOST, payload.nbytes, True)  # charged by the move to its tier
+        if payload.key in self._kept:  # a write's memory kept for this fetch: no disk read
+            self._kept.discard(payload.key)
+            return buffer, 0
         return buffer, payload.nbytes
 
     def drop_read(self, payload: Payload) -> None:
         """A freed payload's read-ahead is not needed."""
+        self._wanted.discard(payload.key)
+        self._kept.discard(payload.key)
         read = self._reads.pop(payload.key, None)
         if read is not None:
             self._let_go(read)
 
-    def drop_reads(self) -> int:
-        """Let every read-ahead go (one for a use that did not come); the bytes they held."""
+    def drop_reads(self, keep: frozenset[str] | set[str] = frozenset()) -> int:
+        """Let every read-ahead go (one for a use that did not come) but those of ``keep``
+        (keys whose use is still to come); the bytes they held."""
         freed = 0
-        for key in list(self._reads):
+        self._wanted &= set(keep)
+        for key in [k for k in self._reads if k not in keep]:
+            self._kept.discard(key)
             freed += self._let_go(self._reads.pop(key))
         return freed
 
@@ -132,7 +166,7 @@ class DiskTraffic:
             with contextlib.suppress(OSError):
                 future.result()
         nbytes = buffer.numel() * buffer.element_size()
-        self._uncharge(Tier.HOST, nbytes)
+        self._uncharge(Tier.HOST, nbytes, True)
         return nbytes
 
     def _wait(self, future: Future) -> None:
@@ -154,7 +188,12 @@ class DiskTraffic:
         future, host, payload = written
         try:
             self._wait(future)
-            if reuse:
+            if reuse and payload.key in self._wanted and payload.tier == Tier.DISK:
+                self._wanted.discard(payload.key)  # read ahead: its memory is the read
+                self._reads[payload.key] = (future, host)
+                self._kept.add(payload.key)
+                self._charge(Tier.HOST, payload.nbytes, True)  # as a read-ahead's is
+            elif reuse:
                 self._release(payload, host)
         except OSError:
             self._restore(host, payload)
@@ -209,5 +248,6 @@ class DiskTraffic:
         for future, _ in self._reads.values():
             future.cancel()
         self._reads.clear()
+        self._kept.clear()
         if self._disk is not None:
             self._disk.close()

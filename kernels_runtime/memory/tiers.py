@@ -57,7 +57,8 @@ class TierStore:
         self.total_peak = 0  # of device model state, working buffers and activations together
         # freed buffers kept for the next allocation of their size (``buffer_pool.py``): on the
         # device under ``recycle``, charged as working memory and dropped before any eviction;
-        # in (unpinned) host memory up to ``HOST_POOL_BYTES``, outside the tiers' accounts
+        # in (unpinned) host memory up to ``HOST_POOL_BYTES`` (or what ``size_host_pool`` asks),
+        # outside the tiers' accounts
         self.recycle = False
         self._spares = BufferPool(limit=None)
         self.host_pool = BufferPool(limit=0 if accelerator.pin_memory else HOST_POOL_BYTES)
@@ -122,14 +123,17 @@ class TierStore:
     def write_behind_bytes(self, nbytes: int) -> None:
         self.traffic.write_behind_bytes = nbytes
 
+    def widen_write_behind(self, nbytes: int) -> None:
+        self.traffic.widen_write_behind(nbytes)
+
     def modified(self, payload: Payload) -> None:
         self.traffic.modified(payload)
 
     def prefetch(self, payload: Payload) -> None:
         self.traffic.prefetch(payload)
 
-    def drop_reads(self) -> int:
-        return self.traffic.drop_reads()
+    def drop_reads(self, keep: frozenset[str] | set[str] = frozenset()) -> int:
+        return self.traffic.drop_reads(keep)
 
     def reap(self) -> None:
         self.traffic.reap()
@@ -141,6 +145,14 @@ class TierStore:
         self.traffic.close()
 
     # ---- allocation ----------------------------------------------------------------------
+    def size_host_pool(self, nbytes: int) -> None:
+        """Keep up to ``nbytes`` of freed host buffers (never less than before): what a
+        deferred chunk step keeps in flight at once (``deferred_step.py``), so the buffers it
+        frees serve its next reads instead of leaving the process and faulting in anew (none
+        on a GPU machine, whose pinned allocator caches blocks itself)."""
+        if not self.accelerator.pin_memory and self.host_pool.limit is not None:
+            self.host_pool.limit = max(self.host_pool.limit, int(nbytes))
+
     def _empty(self, numel: int, dtype: torch.dtype, tier: Tier) -> torch.Tensor:
         """Uninitialised memory on ``tier``: a recycled buffer of this size if one is kept."""
         if tier == Tier.DEVICE:

@@ -2,11 +2,14 @@
 with a learning rate changed between ``step()`` and the next forward, gradient clipping, an
 evaluation forward in between and the optimizer's scalar state read right after ``step()``,
 training under ``offload=static`` on the disk tier gives the losses and parameters of training
-without offload, while the steps were in fact pending after every ``step()``."""
+without offload, while the steps were in fact pending after every ``step()`` and the first
+ones' masters and optimizer states were already being read (started in backward)."""
 
 from __future__ import annotations
 
 import torch
+
+from kernels_runtime.memory.tiers import Tier
 
 from helpers import models as dm
 from helpers.distributed import context
@@ -23,11 +26,13 @@ def _train(plan: str) -> dict:
     model = dm.make_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=dm.LR, weight_decay=dm.WEIGHT_DECAY)
     model, opt = parallelize(model, opt, ctx=ctx, verbose=False, max_grad_norm=0.5)
-    losses, evals, pending, steps = [], [], [], []
+    losses, evals, pending, steps, ahead = [], [], [], [], []
     for step in range(STEPS):
         mbs = dm.local_microbatches(step, ctx.dp_rank, ctx.dp_size, 2)
         losses.append(train_step(model, opt, mbs, loss_fn=dm.hf_loss).loss)
         pending.append(len(getattr(opt.sync, "pending_steps", [])))
+        store = getattr(opt.sync, "store", None)  # host bytes read ahead of the pending steps
+        ahead.append(int(store.working[Tier.HOST]) if store is not None else 0)
         if step == 2:  # the step counters as a checkpoint would save them, right after step()
             steps.append(opt.scalar_state()["groups"])
         for group in opt.param_groups:  # a schedule stepping between step() and the forward
@@ -35,7 +40,7 @@ def _train(plan: str) -> dict:
         if step % 2:
             with torch.no_grad():  # an evaluation forward sees the parameters stepped
                 evals.append(dm.hf_loss(model, mbs[0]).item())
-    return {"losses": losses, "evals": evals, "pending": pending, "steps": steps,
+    return {"losses": losses, "evals": evals, "pending": pending, "steps": steps, "ahead": ahead,
             "deferred": getattr(opt.sync, "deferred_steps", 0),
             "params": state_parameters(model)}
 
@@ -69,10 +74,12 @@ def test_deferred_disk_steps_train_like_steps_taken_at_once(ranks):
         ref, got = out["ref"], out["got"]
         worst = max(out["host_rel"].items(), key=lambda kv: kv[1])
         print(f"pending chunk steps after each step() {got['pending']}, deferred "
-              f"{got['deferred']}; against the host tier: worst {worst}; against no offload: "
+              f"{got['deferred']}, bytes read ahead of them {got['ahead']}; against the host "
+              f"tier: worst {worst}; against no offload: "
               f"whole model {out['ref_rel']['(whole model)']:.1e}, max abs {out['max_abs']:.1e}")
         assert all(n > 0 for n in got["pending"]), got["pending"]  # really deferred
         assert got["deferred"] >= (STEPS - 1) * got["pending"][0]
+        assert all(n > 0 for n in got["ahead"]), got["ahead"]  # started before step()
         for a, b in zip(got["losses"] + got["evals"], ref["losses"] + ref["evals"]):
             assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], ref["losses"])
         assert got["steps"] == ref["steps"], (got["steps"], ref["steps"])

@@ -1,11 +1,14 @@
 """What the disk tier moves: a payload read back and unchanged is evicted again without a write
 (its file is a copy until someone changes the values), one about to be overwritten whole is
 not read, the spill folder holds exactly the files the store accounts for, and freed buffers
-are reused only where nothing else can refer to them (never a chunk's parameters)."""
+are reused only where nothing else can refer to them (never a chunk's parameters); a read ahead
+of a payload still being written keeps the write's memory instead of reading the disk, and the
+read-aheads of a use still to come survive the step's drop of the others."""
 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -100,3 +103,67 @@ def test_freed_buffers_are_reused_only_when_nothing_else_refers_to_them(store: T
     reused = store.host_pool.take(4096, torch.float32)
     assert reused.data_ptr() != param_memory  # what the saved view holds never came back
     assert saved.data_ptr() == param_memory
+
+
+class GatedDisk(DiskStore):
+    """A disk store whose writes wait for ``gate``: a write is in flight for as long as the test
+    needs."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder)
+        self.gate = threading.Event()
+
+    def _write(self, key: str, tensor: torch.Tensor) -> None:
+        self.gate.wait(timeout=30)
+        super()._write(key, tensor)
+
+
+def test_a_read_ahead_of_a_payload_being_written_keeps_its_memory(tmp_path: Path):
+    disk = GatedDisk(tmp_path)
+    store = TierStore(Accelerator.host(), disk=lambda: disk)
+    try:
+        g = store.adopt("c1.grad", torch.arange(4096.0), Tier.HOST)
+        memory = g.handle.data_ptr()
+        store.move(g, Tier.DISK)  # written behind: in flight until the gate opens
+        store.prefetch(g)  # wanted again: nothing to read, the write's memory holds it
+        disk.gate.set()
+        store.settle()  # the write completes and is collected; its memory stays for the fetch
+        assert store.working[Tier.HOST] == g.nbytes  # a read-ahead's buffer, not model state
+        store.move(g, Tier.HOST)
+        assert disk.reads == 0 and _moved(store, ("disk", "host")) == 0
+        assert g.handle.data_ptr() == memory and torch.equal(g.handle, torch.arange(4096.0))
+        assert store.working[Tier.HOST] == 0 and store.used[Tier.HOST] == g.nbytes
+    finally:
+        disk.gate.set()
+        store.close()
+
+
+def test_drop_reads_keeps_the_read_aheads_of_a_use_to_come(store: TierStore):
+    kept, dropped = (store.allocate(f"c{i}.master", 4096, torch.float32, Tier.HOST)
+                     for i in range(2))
+    kept.handle.fill_(2.0)
+    for p in (kept, dropped):
+        store.move(p, Tier.DISK)
+    store.settle()
+    for p in (kept, dropped):
+        store.prefetch(p)
+    assert store.working[Tier.HOST] == 2 * kept.nbytes
+    assert store.drop_reads(keep={kept.key}) == dropped.nbytes
+    assert store.working[Tier.HOST] == kept.nbytes
+    store.move(kept, Tier.HOST)  # the read started before the drop serves it
+    assert store.disk.reads <= 2 and bool((kept.handle == 2.0).all())  # (the other cancelled?)
+    assert _moved(store, ("disk", "host")) == kept.nbytes and store.working[Tier.HOST] == 0
+
+
+def test_deferred_steps_widen_the_write_behind_and_pool_but_not_a_value_set_by_hand(
+        store: TierStore):
+    wb, pool = store.write_behind_bytes, store.host_pool.limit
+    store.widen_write_behind(3 * wb)
+    store.size_host_pool(3 * pool)
+    assert (store.write_behind_bytes, store.host_pool.limit) == (3 * wb, 3 * pool)
+    store.widen_write_behind(1)  # never narrower
+    store.size_host_pool(1)
+    assert (store.write_behind_bytes, store.host_pool.limit) == (3 * wb, 3 * pool)
+    store.write_behind_bytes = 0  # by hand (every write waited for): it stays
+    store.widen_write_behind(4 * wb)
+    assert store.write_behind_bytes == 0
