@@ -127,14 +127,21 @@ def measure_on_rank(rank: int, world: int, folder: str, plan: str, seq: int) -> 
             "frozen_dtypes": frozen_dtypes, "sync": type(sync).__name__, "live": live}
 
 
-def run(folder: str, seq: int, plans: list[str]) -> dict[str, list[dict]]:
-    """Every plan on fresh ranks of its size (a pool per size, plans in turn)."""
+def run(folder: str, seq: int, plans: list[str],
+        pools: dict[int, Any] | None = None) -> dict[str, list[dict]]:
+    """Every plan on ranks of its size (a pool per size, plans in turn; each plan builds its
+    own model). ``pools`` ({world: RankPool}) lends pools the caller keeps for its other
+    parts (starting ranks is a good share of a --quick run); missing sizes are started and
+    closed here."""
+    import contextlib
+
     from kernels_runtime.testing import RankPool
 
     worlds = dict(PLANS)
     out: dict[str, list[dict]] = {}
     for world in sorted({worlds[p] for p in plans}):
-        with RankPool(world, pg_timeout_s=600) as pool:
+        lent = (pools or {}).get(world)
+        with contextlib.nullcontext(lent) if lent else RankPool(world, pg_timeout_s=600) as pool:
             for plan in (p for p in plans if worlds[p] == world):
                 out[plan] = pool.run(measure_on_rank, folder, plan, seq, timeout_s=900)
     return out

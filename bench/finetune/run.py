@@ -21,6 +21,7 @@ runs: read the spread before the median.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 from typing import Any
 
@@ -61,8 +62,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     "speed": {"vs_peft", "dp2_scaling", "ceiling"}}."""
     from transformers.utils import logging
 
-    from kernels_runtime.byte_sizes import parse_bytes
-    from kernels_runtime.testing import run_ranks
+    from kernels_runtime.testing import RankPool
     from workbench.models import smollm2_instruct
 
     args = _parser().parse_args(argv)
@@ -72,28 +72,41 @@ def main(argv: list[str]) -> dict[str, Any]:
     logging.disable_progress_bar()
     figures: dict[str, Any] = {}
     folder = str(smollm2_instruct()) if {"memory", "speed"} & set(args.parts) else ""
+    # one pool per size for every part (started on first use): memory's 2 ranks run speed's
+    # dp=2, capacity runs on speed's single rank; each part builds its own models
+    with contextlib.ExitStack() as stack:
+        pools = {w: stack.enter_context(RankPool(w, pg_timeout_s=600)) for w in (1, 2, 3)}
+        _parts(args, folder, pools, figures)
+    return figures
+
+
+def _parts(args: argparse.Namespace, folder: str, pools: dict[int, Any],
+           figures: dict[str, Any]) -> None:
+    """The chosen parts in turn on the shared ``pools``, each adding its figures."""
+    from kernels_runtime.byte_sizes import parse_bytes
+
     if "memory" in args.parts:
         from bench.finetune import memory as finetune_memory
 
         print(f"-- memory: SmolLM2-135M at {folder}, one sequence of {args.seq} tokens")
         figures["memory"] = finetune_memory.report(
-            finetune_memory.run(folder, args.seq, args.plans))
+            finetune_memory.run(folder, args.seq, args.plans, pools))
         worst = max(figures["memory"].values(), key=lambda r: abs(r - 1))
         print(f"memory: measured / formula per rank, worst over plans, ranks and both "
               f"measurements: {worst:.4f} (aim within 5%)")
+        pools[3].close()  # tp=3 only: its ranks' memory back before the other parts
     if "capacity" in args.parts:
         from bench.finetune import capacity as finetune_capacity
 
         print("-- capacity")
         with tempfile.TemporaryDirectory(prefix="bench-finetune-", dir=args.spill_dir) as spill:
-            out = run_ranks(finetune_capacity.run_on_rank, 1, parse_bytes(args.budget),
-                            parse_bytes(args.host), args.widths, args.seq, args.hidden,
-                            args.layers, spill, timeout_s=3600)[0]
+            out = pools[1].run(finetune_capacity.run_on_rank, parse_bytes(args.budget),
+                               parse_bytes(args.host), args.widths, args.seq, args.hidden,
+                               args.layers, spill, timeout_s=3600)[0]
         figures["capacity"] = finetune_capacity.report(out)
     if "speed" in args.parts:
         from bench.finetune import speed as finetune_speed
 
         print("-- speed")
         figures["speed"] = finetune_speed.report(finetune_speed.run(
-            folder, args.rounds, args.steps, args.batch, args.speed_seq))
-    return figures
+            folder, args.rounds, args.steps, args.batch, args.speed_seq, pools))

@@ -74,12 +74,20 @@ def time_on_rank(rank: int, world: int, variant: str, steps: int, first: int, ba
     return times
 
 
-def run(folder: str, rounds: int, steps: int, batch: int, seq: int) -> dict[str, Any]:
-    """Interleaved rounds on a 1-rank pool (runtime and plain peft) and a 2-rank pool."""
+def run(folder: str, rounds: int, steps: int, batch: int, seq: int,
+        pools: dict[int, Any] | None = None) -> dict[str, Any]:
+    """Interleaved rounds on a 1-rank pool (runtime and plain peft) and a 2-rank pool;
+    ``pools`` ({world: RankPool}) lends them (the caller's other parts ran there and the
+    caller closes them), else they are started and closed here."""
+    import contextlib
+
     from kernels_runtime.testing import RankPool
 
     per_round: dict[str, list[float]] = {"runtime": [], "plain": [], "dp2": [], "two": []}
-    with RankPool(1, pg_timeout_s=600) as one, RankPool(2, pg_timeout_s=600) as two:
+    lent = pools or {}
+    with contextlib.ExitStack() as stack:
+        one, two = (lent.get(w) or stack.enter_context(RankPool(w, pg_timeout_s=600))
+                    for w in (1, 2))
         trainable = one.run(prepare_on_rank, folder, 1, True, timeout_s=600)[0]
         two.run(prepare_on_rank, folder, 1, True, timeout_s=600)
         step = 0
