@@ -124,8 +124,15 @@ EXTRA = {"zero3-auto-disk-bf16-accum4-clip": ("dp=2 zero=3 bf16",
                                            {"accum": 2, "clip": 0.5})}
 
 
-@pytest.mark.parametrize("case", list(CASES) + [  # the longest case (~7 s) in make test only
-    pytest.param(c, marks=pytest.mark.slow) for c in EXTRA])
+# make test-fast keeps one case of each kind (static and auto, host and disk, zero 2 and 3, tp);
+# the other combinations of the same kinds run in make test
+IN_MAKE_TEST = {"zero2-static-disk", "zero3-static-host", "zero3-static-disk", "zero2-auto-host",
+                "zero2-auto-disk", "zero3-auto-host", "tp2-zero3-auto-disk"}
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.slow) if c in IN_MAKE_TEST else c for c in CASES] + [
+    pytest.param(c, marks=pytest.mark.slow) for c in EXTRA])  # the longest (~7 s): make test
 def test_offloaded_training_matches_training_without_offload(ranks, case):
     base, offload, extra = EXTRA[case] if case in EXTRA else (*CASES[case], {})
     out = ranks(2).run(_compare, base, offload, extra, timeout_s=300)
