@@ -124,10 +124,11 @@ EXTRA = {"zero3-auto-disk-bf16-accum4-clip": ("dp=2 zero=3 bf16",
                                            {"accum": 2, "clip": 0.5})}
 
 
-# make test-fast keeps one case of each kind (static and auto, host and disk, zero 2 and 3, tp);
+# make test-fast keeps a case of each kind (static and auto, host and disk, zero 2 and 3, tp);
 # the other combinations of the same kinds run in make test
 IN_MAKE_TEST = {"zero2-static-disk", "zero3-static-host", "zero3-static-disk", "zero2-auto-host",
-                "zero2-auto-disk", "zero3-auto-host", "tp2-zero3-auto-disk"}
+                "zero2-auto-disk", "zero3-auto-host", "tp2-zero3-auto-disk",
+                "tp2-zero3-static-disk"}
 
 
 @pytest.mark.parametrize("case", [
