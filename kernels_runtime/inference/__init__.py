@@ -10,7 +10,9 @@ The pieces, bottom to top: ``blocks`` (block pool, prefix index), ``kv_cache`` (
 ``scheduler`` (what each step computes), ``batch`` (one step's flat row of tokens),
 ``attention`` (paged attention inside HF models), ``runner`` (a step through the parallelized
 model, pipeline stages included), ``adapters`` (LoRA adapters mixed in one batch),
-``sampling``, ``engine`` (the API).
+``sampling``, ``speculation`` / ``draft`` (drafted tokens verified in one forward),
+``pipelined`` (pipeline stages with micro-batches in flight), ``engine_setup`` (what the engine
+sets up once: the model parallelized for inference, the KV cache's size), ``engine`` (the API).
 """
 
 from __future__ import annotations
