@@ -37,7 +37,9 @@ def test_propose_copies_what_followed_the_latest_match_of_the_longest_suffix():
     assert propose(tokens + [1, 2], 3) == [9, 6, 7]  # 3-gram (7, 1, 2) beats shorter ones
     assert propose([1, 2, 3], 4) == []  # nothing repeats
     assert propose([8], 4) == []
-    assert propose([8, 8], 4) == [8]
+    assert propose([5, 8, 5, 8], 4) == [5, 8]  # a 2-gram is the shortest cue taken
+    assert propose([8, 3, 8], 4) == []  # one repeated token is not
+    assert propose([8, 3, 8], 4, min_ngram=1) == [3, 8]
 
 
 def test_accepted_is_the_longest_agreeing_prefix():
@@ -168,7 +170,7 @@ def test_speculative_greedy_tokens_match_hf_generate(ranks, trained, kind, case)
 def _limits(rank: int, world: int, path: str) -> dict:
     from kernels_runtime.inference import Engine, SamplingParams
 
-    prompt = _prompts()[0]
+    prompt = _prompts()[2]  # the edited line: its output repeats a 2-gram cue from its start
     engine = Engine(inf.load("gpt2", path), comm=process_comm(), verbose=False)
     lengths = {n: engine.generate([prompt], SamplingParams(max_new_tokens=n, speculate=True))[0]
                for n in (1, 2, 3, 5, 7, 11)}
