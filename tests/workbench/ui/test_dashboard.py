@@ -264,16 +264,19 @@ def test_offload_panel_joins_while_an_offloading_cell_runs(shell, tmp_path) -> N
             ["rank 0", "rank 1"], [p["offload"]["tiers"][tier] for p, _ in counters])
     # a point of the moved figure is each rank's bytes moved per step since its previous
     # sample, summed over ranks: recomputed here from the samples the notebook received. How
-    # many steps fall between two samples, and what a step moves (write-behind and read-ahead
-    # finish when they finish), depends on timing, so the last step's own bytes only bound it.
+    # many steps fall between two samples, and in which step a transfer counts (write-behind
+    # and read-ahead finish when they finish), depends on timing: one interval can hold a step
+    # and a half's bytes (CI saw 1.6x the last step's). So the point is bounded by the mean over
+    # the run, by a factor well inside the 12x that a cumulative point would show.
     last = [p["offload"]["last_step"] for p, _ in counters]
     moved = {pair for step in last for pair in step["moved"]}
     assert moved and {f"moved: {pair}" for pair in moved} <= set(data)
     for pair in moved:
         expected = sum(_moved_per_step(live.history, rank, pair) for rank in (0, 1))
         assert data[f"moved: {pair}"][1][-1] == pytest.approx(expected)
-        assert expected == pytest.approx(sum(step["moved"].get(pair, 0) for step in last),
-                                         rel=0.25)
+        mean = sum(p["offload"]["moved"].get(pair, 0) / p["offload"]["steps"]
+                   for p, _ in counters)
+        assert mean / 3 <= expected <= 3 * mean, (pair, expected, mean)
     assert data["evictions"][1][-1] == sum(step["evictions"] for step in last) > 0
     report = workbench.show_dashboard(live.history).to_html(tmp_path / "offload.html").read_text()
     assert report.count("Plotly.newPlot") == 3 and "model state per tier" in report
