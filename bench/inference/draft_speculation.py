@@ -8,6 +8,7 @@ layers are not trained for early exit, so acceptance is what a cut model gives).
 tokens with the draft must be exactly those without it (asserted); tokens/s is generated tokens
 over wall seconds on all ranks (``dp=<ranks>``), the acceptance rate accepted over drafted
 tokens, and the draft's share of the time is printed (it runs token by token, per sequence).
+Both sides pack their weights (``pack_weights=True``), as the prompt-lookup line does.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def draft_round(rank: int, world: int, folder: str, spec: dict, side: str) -> di
     engine = rank_engine("draft-model", folder, lambda model: Engine(
         model, f"dp={world}", kv_mem="64MiB", prefix_sharing=False,
         max_num_seqs=spec["spec_requests"],
-        draft_model=layer_skip(model, spec["spec_draft_layers"]), verbose=False))
+        draft_model=layer_skip(model, spec["spec_draft_layers"]), pack_weights=True,
+        verbose=False))
     requests = prompts(folder, spec["spec_requests"])
     params = SamplingParams(max_new_tokens=spec["spec_tokens"],
                             speculate=spec["spec_draft"] if side == "on" else 0)

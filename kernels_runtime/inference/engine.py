@@ -45,6 +45,7 @@ from kernels_runtime.inference.engine_setup import kv_blocks, parallelized_for_i
 from kernels_runtime.inference.kv_cache import PagedKVCache
 from kernels_runtime.inference.model_reading import attention_modules, eos_token_ids
 from kernels_runtime.inference.moe_plans import replicas
+from kernels_runtime.inference.packed_linear import pack_linears
 from kernels_runtime.inference.params import RequestOutput, SamplingParams
 from kernels_runtime.inference.pipelined import overlap_steps
 from kernels_runtime.inference.requests import (
@@ -78,9 +79,12 @@ class Engine:
                  adapters: Mapping[str, str | os.PathLike] | None = None,
                  draft_model: nn.Module | str | os.PathLike | None = None,
                  pipeline_overlap: bool | None = None, compile_model: bool = False,
-                 verbose: bool = True) -> None:
+                 pack_weights: bool = False, verbose: bool = True) -> None:
         if block_size < 1 or max_num_seqs < 1 or max_batch_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_batch_tokens must be >= 1")
+        if compile_model and pack_weights:
+            raise ValueError("compile_model=True and pack_weights=True both rewrite the "
+                             "linears (inductor packs weights itself): choose one")
         # the model split over ranks, host and disk; a plan it cannot serve refused
         model, state, ep = parallelized_for_inference(model, plan, ctx, comm, spill_dir,
                                                       verbose)  # (engine_setup.py)
@@ -104,6 +108,8 @@ class Engine:
             else [PagedLayer(self.cache, i) for i in range(len(shapes))]
         if compile_model:  # torch.compile the forward: off by default (compiled.py)
             compile_runner(self.runner)
+        if pack_weights:  # CPU: oneDNN-packed linears, no slow path for a few rows
+            pack_linears(model, self.ctx.plan, self.ctx.device)  # (packed_linear.py)
         self.pool = BlockPool(num_blocks, block_size, prefix_sharing)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_batch_tokens, preemption)
         # pp > 1: micro-batches in flight on every stage, unless pipeline_overlap=False

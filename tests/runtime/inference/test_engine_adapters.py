@@ -1,6 +1,7 @@
 """LoRA adapters served by the engine: requests naming different adapters, and the base model,
 share one batch, and each gets the greedy tokens of HF ``generate`` on the model with its own
-adapter merged in, under every plan the engine serves adapters with.
+adapter merged in, under every plan the engine serves adapters with, and over oneDNN-packed base
+linears (``pack_weights=True``).
 
 What is protected: ``Engine(model, plan, adapters={"a": dir, "b": dir})`` loads peft's adapter
 folders (random factors on every attention and MLP projection, ``helpers/adapters.py``);
@@ -54,11 +55,12 @@ def _prompts() -> list[list[int]]:
     return out
 
 
-def _run(rank: int, world: int, path: str, plan: str, adapters: dict[str, str]) -> dict:
+def _run(rank: int, world: int, path: str, plan: str, adapters: dict[str, str],
+         pack: bool = False) -> dict:
     from kernels_runtime.inference import Engine, SamplingParams
 
     engine = Engine(_model(path), plan, comm=process_comm(), kv_mem="1MiB",
-                    adapters=adapters, verbose=False)
+                    adapters=adapters, pack_weights=pack, verbose=False)
     steps: list[list[int]] = []  # the adapter slots present in each step's tokens
     routing = engine.adapters.routing
 
@@ -101,8 +103,10 @@ def _reference(folder) -> dict:
     return _REFERENCE
 
 
+# "packed weights": the base linears oneDNN-packed (``packed_linear.py``), the adapters' terms
+# added to what the packed layer computes
 PLANS = {"one rank": ("dp=1", 1), "tp=2": ("tp=2", 2), "dp=2": ("dp=2", 2),
-         "pp=2": ("pp=2", 2)}
+         "pp=2": ("pp=2", 2), "packed weights": ("dp=1", 1)}
 
 
 @pytest.mark.full
@@ -113,7 +117,8 @@ def test_mixed_adapters_in_one_batch_equal_merged_generate(ranks, tmp_path_facto
     want = ref["want"]
     # the adapters change the answers (else parity would prove nothing)
     assert want["a"] != want[None] and want["b"] != want[None] and want["a"] != want["b"]
-    results = ranks(n).run(_run, ref["path"], plan, ref["adapters"], timeout_s=300)
+    results = ranks(n).run(_run, ref["path"], plan, ref["adapters"], case == "packed weights",
+                           timeout_s=300)
     for rank, got in enumerate(results):
         assert got["errors"] == [None] * len(WHICH), got["errors"]
         for i, name in enumerate(WHICH):
