@@ -5,10 +5,13 @@ once) against ``%colossal serve``'s server on loopback in front of an engine on 
 (``dp=<ranks>`` replicas, GPT-2 shape, random weights, greedy), and the same 64 requests through
 ``engine.generate`` on the ranks with no HTTP in between. Every streamed request must come back
 whole: its streamed text equal, in order, to the decoding of what ``generate`` produced for
-it, with the token count it asked for (byte tokens, so every token is text). Printed:
-requests/s, generated tokens/s, time to first token and inter-token latency (p50, p99, seen by
-the clients), and served throughput / direct throughput (aim >= 0.9); rounds alternate the
-two, medians with the min-max.
+it, with the token count it asked for (byte tokens, so every token is text). The endpoint
+streams as it does by default (on CPU ranks a request's tokens go out at most every 40 ms, its
+first and last at once: ``kernels_runtime/inference/stream_pacing.py``), and again streaming
+every step, for comparison. Printed: requests/s, generated tokens/s, time to first token, time
+per output token after the first, the gaps between a client's events (p50, p99, seen by the
+clients), and served throughput / direct throughput (aim >= 0.9, at the default); rounds
+alternate direct, served and served every step, medians with the min-max.
 
 ``--quick``: fewer, shorter requests on a smaller model (what the test runs).
 The per-token time split (``workbench/serving/profile.py``: rank loop, engine step, deltas,
@@ -139,14 +142,17 @@ async def _load(url: str, key: str, prompts: list, lengths: list, timeout_s: flo
 
 
 def run(spec: dict, ranks: int, rounds: int, profile: bool = True,
-        client: str = "raw") -> dict:
+        client: str = "raw", stream_interval_s: float | None = None) -> dict:
+    """Rounds of: direct, served at ``stream_interval_s`` (None: the endpoint's default, paced
+    on CPU ranks) and served streaming every step, in that order."""
     from workbench.cells.execution import run_cell
     from workbench.pool.pool import Pool
     from workbench.serving.profile import ServingProfile
 
     prompts, lengths = workload(spec)
     quiet = {"stream": lambda *a: None, "display": lambda *a: None}
-    out: dict[str, Any] = {"direct": [], "served": [], "profile": ServingProfile()}
+    out: dict[str, Any] = {"direct": [], "served": [], "every step": [],
+                           "profile": ServingProfile()}
     with Pool(ranks) as pool:
         pool.start()
         run_cell(pool, BUILD.format(spec=spec, ranks=ranks), **quiet)
@@ -154,21 +160,26 @@ def run(spec: dict, ranks: int, rounds: int, profile: bool = True,
         for _ in range(rounds):
             run_cell(pool, DIRECT.format(), **quiet)
             out["direct"].append(pool.view([0]).pull("bench_direct", block=True)[0])
-            out["served"].append(_served_round(pool, prompts, lengths, client))
+            out["served"].append(_served_round(pool, prompts, lengths, client,
+                                               stream_interval_s=stream_interval_s))
+            out["every step"].append(_served_round(pool, prompts, lengths, client,
+                                                   stream_interval_s=0.0))
         if profile:  # the split, from a round of its own (the module docstring says why)
-            out["profiled"] = _served_round(pool, prompts, lengths, client, out["profile"])
+            out["profiled"] = _served_round(pool, prompts, lengths, client, out["profile"],
+                                            stream_interval_s)
     out["lengths"] = lengths
     return out
 
 
 def _served_round(pool: Any, prompts: list, lengths: list, client: str,
-                  profile: Any = None) -> dict:
+                  profile: Any = None, stream_interval_s: float | None = None) -> dict:
     """One round of the requests through a fresh endpoint; with ``profile`` (a
-    ``ServingProfile``), the endpoint stamps every delta and its split is merged into it."""
+    ``ServingProfile``), the endpoint stamps every delta and its split is merged into it.
+    ``stream_interval_s``: the endpoint's (None: its default)."""
     from workbench.serving.server import Server, free_port, new_event_loop
 
     server = Server(pool, "engine", port=free_port(), api_key="bench",
-                    profile=profile is not None).start()
+                    profile=profile is not None, stream_interval_s=stream_interval_s).start()
     try:
         cpu = time.process_time()
         loop = new_event_loop()  # uvloop's where installed: the clients' CPU is the ranks' too
@@ -179,6 +190,7 @@ def _served_round(pool: Any, prompts: list, lengths: list, client: str,
             loop.close()
         # this process's CPU but the clients': uvicorn's loop, the bridge, the watcher
         served["server_cpu"] = time.process_time() - cpu - served["client_cpu"]
+        served["interval_s"] = server.stream_interval_s
     finally:
         server.stop()
     if profile is not None and server.profile is not None:
@@ -200,7 +212,8 @@ def report(out: dict, spec: dict, ranks: int) -> dict:
     tokens = sum(lengths)
     reference = out["direct"][0]["tokens"]
     complete = 0
-    checked = out["served"] + ([out["profiled"]] if "profiled" in out else [])
+    checked = out["served"] + out["every step"] + (
+        [out["profiled"]] if "profiled" in out else [])
     for served in checked:
         for result, n, ref in zip(served["results"], lengths, reference):
             usage = result["usage"] or {}
@@ -208,39 +221,56 @@ def report(out: dict, spec: dict, ranks: int) -> dict:
                 complete += 1
     expected = len(checked) * spec["clients"]
     direct = [tokens / d["seconds"] for d in out["direct"]]
-    served = [tokens / s["seconds"] for s in out["served"]]
-    ttft = [r["times"][0] for s in out["served"] for r in s["results"] if r["times"]]
-    gaps = [b - a for s in out["served"] for r in s["results"]
-            for a, b in zip(r["times"], r["times"][1:])]
+    rate = {side: [tokens / s["seconds"] for s in out[side]] for side in ("served", "every step")}
+    paced = out["served"][0]["interval_s"]
+    label = f"at most every {paced * 1e3:g} ms" if paced else "every step"
     print(f"{spec['clients']} concurrent streaming clients, {tokens} tokens per round; GPT-2 "
           f"h={spec['hidden']}, {spec['layers']} layers, vocab {spec['vocab']}; {ranks} ranks "
           f"(dp={ranks}), up to {spec['batch']} sequences per replica")
     print_table(["path", "tokens/s", "requests/s"],
                 [["direct engine.generate", spread(direct, digits=1),
                   spread([spec["clients"] / d["seconds"] for d in out["direct"]], digits=1)],
-                 ["HTTP, streamed", spread(served, digits=1),
-                  spread([spec["clients"] / s["seconds"] for s in out["served"]], digits=1)]])
+                 [f"HTTP, streamed {label} (default)", spread(rate["served"], digits=1),
+                  spread([spec["clients"] / s["seconds"] for s in out["served"]], digits=1)],
+                 ["HTTP, streamed every step", spread(rate["every step"], digits=1),
+                  spread([spec["clients"] / s["seconds"] for s in out["every step"]],
+                         digits=1)]])
     print(f"requests complete with all their tokens: {complete} of {expected}")
-    print(f"time to first token p50 {_p(ttft, 0.5) * 1e3:.0f} ms, p99 {_p(ttft, 0.99) * 1e3:.0f}"
-          f" ms; inter-token latency p50 {_p(gaps, 0.5) * 1e3:.1f} ms, p99 "
-          f"{_p(gaps, 0.99) * 1e3:.1f} ms")
-    ratio = [s / d for s, d in zip(served, direct)]
+    for side in ("served", "every step"):
+        results = [r for s in out[side] for r in s["results"] if r["times"]]
+        ttft = [r["times"][0] for r in results]
+        gaps = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
+        # per output token after the first: what chunking into events does not change
+        tpot = [(r["times"][-1] - r["times"][0]) / (n - 1)
+                for r, n in ((r, (r["usage"] or {}).get("completion_tokens", 0))
+                             for r in results) if n > 1]
+        name = label if side == "served" else "every step"
+        print(f"streamed {name}: time to first token p50 {_p(ttft, 0.5) * 1e3:.0f} ms, p99 "
+              f"{_p(ttft, 0.99) * 1e3:.0f} ms; per output token p50 "
+              f"{_p(tpot, 0.5) * 1e3:.1f} ms; between events p50 {_p(gaps, 0.5) * 1e3:.1f} ms, "
+              f"p99 {_p(gaps, 0.99) * 1e3:.1f} ms ({len(gaps) + len(results)} events)")
+    ratio = [s / d for s, d in zip(rate["served"], direct)]
+    every = [s / d for s, d in zip(rate["every step"], direct)]
     print(f"served / direct throughput: {statistics.median(ratio):.2f} "
-          f"({min(ratio):.2f}-{max(ratio):.2f}) (aim >= 0.9)")
-    server_cpu = [s["server_cpu"] for s in out["served"]]
-    client_cpu = [s["client_cpu"] for s in out["served"]]
-    print(f"CPU seconds per served round (the ranks share {os.cpu_count()} cores with it): "
-          f"serving process {spread(server_cpu, 2)} "
-          f"({statistics.median(server_cpu) / tokens * 1e6:.0f} us per token), load clients "
-          f"{spread(client_cpu, 2)}")
+          f"({min(ratio):.2f}-{max(ratio):.2f}) (aim >= 0.9), streamed {label}; every step "
+          f"{statistics.median(every):.2f} ({min(every):.2f}-{max(every):.2f})")
+    for side in ("served", "every step"):
+        server_cpu = [s["server_cpu"] for s in out[side]]
+        client_cpu = [s["client_cpu"] for s in out[side]]
+        name = label if side == "served" else "every step"
+        print(f"CPU seconds per served round, streamed {name} (the ranks share "
+              f"{os.cpu_count()} cores with it): serving process {spread(server_cpu, 2)} "
+              f"({statistics.median(server_cpu) / tokens * 1e6:.0f} us per token), load "
+              f"clients {spread(client_cpu, 2)}")
     split = out["profile"].summary()
     if split["tokens"]:
         print(f"where a streamed token's time goes (mean per token over {split['tokens']} "
               f"tokens after each request's first, in one more served round, profiled; "
               f"measured end to end {split['latency_ms']:.2f} ms):")
         print_table(["part", "ms / token", "share"], profile_rows(split))
-    return {"ratio": statistics.median(ratio), "complete": complete, "expected": expected,
-            "split": split, "server_cpu": statistics.median(server_cpu)}
+    return {"ratio": statistics.median(ratio), "every_step": statistics.median(every),
+            "complete": complete, "expected": expected, "split": split,
+            "server_cpu": statistics.median(s["server_cpu"] for s in out["served"])}
 
 
 def main(argv: list[str]) -> dict:
@@ -252,6 +282,8 @@ def main(argv: list[str]) -> dict:
                         help="no per-token time split (no timestamps on the serving path)")
     parser.add_argument("--client", choices=("raw", "httpx"), default="raw",
                         help="the load client: raw (light, bench/serving/client.py) or httpx")
+    parser.add_argument("--stream-interval", type=float, default=None, metavar="S",
+                        help="the endpoint's --stream-interval (default: the server's)")
     parser.add_argument("--soak", type=float, default=None, metavar="SECONDS",
                         help="soak a real workbench serve for SECONDS (serving_soak.py)")
     parser.add_argument("--clients", type=int, default=64, help="with --soak: clients at once")
@@ -270,5 +302,5 @@ def main(argv: list[str]) -> dict:
         return out
     spec = dict(QUICK if args.quick else FULL)
     rounds = args.rounds or (1 if args.quick else 3)
-    return report(run(spec, args.ranks, rounds, not args.no_profile, args.client), spec,
-                  args.ranks)
+    return report(run(spec, args.ranks, rounds, not args.no_profile, args.client,
+                      args.stream_interval), spec, args.ranks)

@@ -15,7 +15,8 @@ be the start of a stop string, so streamed text is never taken back. A step that
 request with no new text to show (and does not finish it) sends nothing for it: its tokens go
 with the request's next delta, so the front end is not woken for a delta its client cannot see
 (issue 30: every wake-up of the serving process takes CPU the ranks share). Without a
-tokenizer (no text at all) every step's tokens are sent.
+tokenizer (no text at all) every step's tokens are sent. With ``stream_interval_s`` a request's
+deltas go out at most that often, its first and its last at once (``stream_pacing.py``).
 ``stop`` drains: requests already in the engine finish, then the loop returns.
 
 A request's failure never ends the loop (``admit``); a failure of the step itself does: the
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from kernels_runtime.inference.chat import chat_prompt
 from kernels_runtime.inference.commands import Command
 from kernels_runtime.inference.params import RequestOutput, SamplingParams
+from kernels_runtime.inference.stream_pacing import StreamPacer
 
 REPLACEMENT = "\ufffd"
 
@@ -140,15 +142,18 @@ def admit(engine: Any, command: Command,
 
 def serve(engine: Any, receive: Callable[[float], list[Command]] | None,
           send: Callable[[list[dict[str, Any]]], None] | None, idle_s: float = 0.05,
-          profile: bool = False) -> None:
+          profile: bool = False, stream_interval_s: float = 0.0) -> None:
     """Run until a ``stop`` command has drained the engine (see the module docstring).
     ``receive(timeout_s)`` and ``send(deltas)`` are the leader's link to the front end (None on
     the other ranks). ``profile``: the leader's step deltas carry ``t``, host timestamps of
-    its loop turn and its step (``workbench/serving/profile.py``); no device sync is added."""
+    its loop turn and its step (``workbench/serving/profile.py``); no device sync is added.
+    ``stream_interval_s``: a request's new tokens go out at most that often, its first and its
+    end at once (``stream_pacing.py``); 0: every step's."""
     ctx = engine.ctx
     leader = replica_leader(ctx)
     stop_strings: dict[str, tuple[str, ...]] = {}
     tracker = DeltaTracker(lambda rid: stop_strings.get(rid, ()))
+    pacer = StreamPacer(stream_interval_s)
     running: set[str] = set()  # requests added and not finished (a failed step ends them)
     stopping = idle_figures_due = False
     while True:
@@ -165,6 +170,7 @@ def serve(engine: Any, receive: Callable[[float], list[Command]] | None,
                 stopping = True
             elif command.kind == "abort":
                 engine.abort(command.request_id)
+                pacer.drop(command.request_id)
             else:
                 failed = admit(engine, command, stop_strings)
                 if failed is None:
@@ -187,8 +193,8 @@ def serve(engine: Any, receive: Callable[[float], list[Command]] | None,
                            "status": 500} for rid in sorted(running)])
                 raise ReplicaFailed(why) from err
             step_end_ns = time.monotonic_ns() if profile else 0
-            deltas = [d for d in map(tracker.delta, changed) if d is not None] \
-                if leader else []
+            deltas = [d for d in map(tracker.delta, pacer.due(changed, tracker.sent))
+                      if d is not None] if leader else []
             if deltas:
                 if profile:  # one list shared by the step's deltas: the sender appends to it
                     stamps = [turn_ns, step_ns, step_end_ns]

@@ -16,10 +16,12 @@ def test_the_serving_benchmark_loses_no_request(capsys):
 
     figures = main(["--quick"])
     printed = capsys.readouterr().out
-    # one timed round and the profiled one after it (the split's), 12 requests each
-    assert figures["complete"] == figures["expected"] == 24, printed
-    assert figures["ratio"] > 0
-    for words in ("concurrent streaming clients", "inter-token latency p50",
+    # one timed round at the default pacing, one streaming every step, and the profiled one
+    # after them (the split's), 12 requests each
+    assert figures["complete"] == figures["expected"] == 36, printed
+    assert figures["ratio"] > 0 and figures["every_step"] > 0
+    for words in ("concurrent streaming clients", "per output token p50", "between events p50",
+                  "streamed at most every 40 ms", "streamed every step",
                   "served / direct throughput", "(aim >= 0.9)",
                   "where a streamed token's time goes", "rank: engine.step",
                   "server: SSE encode + write"):

@@ -145,7 +145,7 @@ def _serve(pool: Any, folder: Path, plan: str, args: argparse.Namespace) -> Any:
     auth = f"API key in {where}" if key else "no API key"
     loras = f" with LoRA adapters {', '.join(server.adapters)}" if server.adapters else ""
     print(f"serving {server.model_id}{loras} at {server.url} ({pool.world_size} ranks, plan "
-          f"{plan}); {auth}. Ctrl-C drains and stops.", flush=True)
+          f"{plan}); {auth}; {server.pacing()}. Ctrl-C drains and stops.", flush=True)
     return server
 
 

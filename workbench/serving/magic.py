@@ -106,8 +106,8 @@ def serve_command(magics: Any, line: str) -> None:
     exposed = "" if args.host in ("127.0.0.1", "localhost", "::1") else \
         f"; bound to {args.host}: reachable beyond this machine"
     print(f"colossal: serving {args.engine} at {server.url} (model {server.model_id!r}, "
-          f"{server.replicas} replica{'s' if server.replicas > 1 else ''}); {auth}{exposed}. "
-          "`%colossal serve --stop` drains and stops.")
+          f"{server.replicas} replica{'s' if server.replicas > 1 else ''}); {auth}{exposed}; "
+          f"{server.pacing()}. `%colossal serve --stop` drains and stops.")
     magics.serving_display = ServingDisplay(server, show=not args.no_dashboard).start()
 
 

@@ -23,8 +23,9 @@ HEARTBEAT_MISS_S = 15.0
 
 @interactive
 def describe_engine(name: str) -> dict[str, Any] | str:
-    """This rank's data-parallel replica of the engine ``name`` and the names of its LoRA
-    adapters (``{"replica", "adapters"}``), or what the name holds."""
+    """This rank's data-parallel replica of the engine ``name``, the names of its LoRA
+    adapters and its device type (``{"replica", "adapters", "device"}``), or what the name
+    holds."""
     from kernels_runtime.inference import Engine
 
     value = globals().get(name)
@@ -32,16 +33,18 @@ def describe_engine(name: str) -> dict[str, Any] | str:
         return "not defined" if value is None else f"a {type(value).__name__}"
     if value.tokenizer is None:
         return "an Engine without a tokenizer (the API answers in text)"
-    return {"replica": int(value.ctx.dp_rank), "adapters": list(value.adapters.names)}
+    return {"replica": int(value.ctx.dp_rank), "adapters": list(value.adapters.names),
+            "device": value.ctx.device.type}
 
 
 def serve_engine(engine: Any, address: str, secret: str, server_key: str | None = None,
-                 profile: bool = False) -> str:
+                 profile: bool = False, stream_interval_s: float = 0.0) -> str:
     """Serve ``engine`` until the server sends stop; returns how it ended. ``server_key`` is
     the bridge's CURVE public key where its traffic is encrypted (beyond loopback), else None.
     A replica whose engine fails (``ReplicaFailed``) tells the bridge before the error ends
     this rank's task, so the server takes it out of the rotation at once. ``profile``: deltas
-    carry timestamps (``workbench/serving/profile.py``)."""
+    carry timestamps (``workbench/serving/profile.py``). ``stream_interval_s``: how often at most
+    a request's tokens are sent (``kernels_runtime/inference/stream_pacing.py``)."""
     from kernels_runtime.inference import Engine
     from kernels_runtime.inference.service import ReplicaFailed, replica_leader, serve
     from workbench.serving.bridge import MAX_MESSAGE, leader_identity
@@ -96,7 +99,7 @@ def serve_engine(engine: Any, address: str, secret: str, server_key: str | None 
         socket.send(json.dumps({"deltas": deltas}).encode())
 
     try:
-        serve(engine, receive, send, profile=profile)
+        serve(engine, receive, send, profile=profile, stream_interval_s=stream_interval_s)
     except ReplicaFailed as err:
         socket.send(json.dumps({"failed": str(err)}).encode())
         raise

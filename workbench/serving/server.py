@@ -27,6 +27,12 @@ from workbench.serving.profile import ServingProfile
 
 _RUNNING: list[Server] = []
 DEFAULT_REQUEST_TIMEOUT_S = 600.0  # workbench serve --request-timeout
+# workbench serve --stream-interval: a request's tokens go out at most this often, its first
+# and its end at once (kernels_runtime/inference/stream_pacing.py says why and what it saves).
+# By default paced on CPU ranks only, which share the host's cores with the server; GPU ranks
+# leave the host's cores to it, so every step streams there.
+CPU_STREAM_INTERVAL_S = 0.04
+MAX_STREAM_INTERVAL_S = 10.0  # beyond it a stream is no stream: ask without "stream"
 
 
 def running_servers() -> list[Server]:
@@ -60,12 +66,20 @@ class Server:
     def __init__(self, pool: Any, engine: str, *, model_id: str | None = None,
                  host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 stream_interval_s: float | None = None,
                  profile: bool = False) -> None:
         """``profile``: split each streamed token's time into its hops (``profile.py``), read
-        from ``self.profile`` once the requests are answered; off, nothing is stamped."""
+        from ``self.profile`` once the requests are answered; off, nothing is stamped.
+        ``stream_interval_s``: how often at most a request's new tokens are streamed
+        (``stream_pacing.py``); None: ``CPU_STREAM_INTERVAL_S`` where the ranks are CPU ranks,
+        else every step."""
         if not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be a number of seconds > 0, got "
                              f"{request_timeout_s!r}")
+        if stream_interval_s is not None and not 0 <= stream_interval_s <= MAX_STREAM_INTERVAL_S:
+            raise ValueError(f"stream_interval_s must be between 0 and "
+                             f"{MAX_STREAM_INTERVAL_S:g} seconds, got {stream_interval_s!r}")
+        self.stream_interval_s = stream_interval_s  # resolved by start() where None
         self.pool, self.engine, self.host, self.port = pool, engine, host, port
         self.request_timeout_s = request_timeout_s  # the most a request may take (app.py)
         self.model_id = model_id or engine
@@ -149,7 +163,17 @@ class Server:
                             f"Engine with a tokenizer, built in a %%colossal cell first "
                             f"({self.engine} = Engine(model, plan, tokenizer=...))")
         self.adapters = list(found[0]["adapters"])
+        if self.stream_interval_s is None:  # paced where the ranks share the host's cores
+            cpu = any(f["device"] == "cpu" for f in found)
+            self.stream_interval_s = CPU_STREAM_INTERVAL_S if cpu else 0.0
         return max(f["replica"] for f in found) + 1
+
+    def pacing(self) -> str:
+        """How the endpoint streams, for its start line."""
+        every = self.stream_interval_s or 0.0
+        return ("tokens streamed as each step makes them" if every == 0 else
+                f"tokens streamed at most every {every * 1e3:g} ms, first and last at once "
+                f"(--stream-interval 0: every step)")
 
     def _serve_http(self) -> None:
         loop = new_event_loop()
@@ -166,7 +190,8 @@ class Server:
         code = (f"import workbench.serving.rank_side as _wb_serving\n"
                 f"_wb_serving.serve_engine({self.engine}, {self.bridge.address!r}, "
                 f"{self.bridge.secret!r}, {self.bridge.server_key!r}, "
-                f"profile={self.profile is not None})\n")
+                f"profile={self.profile is not None}, "
+                f"stream_interval_s={self.stream_interval_s!r})\n")
         self.task = self.pool.view().execute(code, silent=True, block=False)
         replicas = self.replicas
         deadline = time.monotonic() + connect_timeout_s

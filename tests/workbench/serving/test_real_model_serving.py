@@ -35,7 +35,7 @@ def test_serve_with_only_a_model_answers_chat_like_hf_generate(smollm2, smollm2_
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2.folder)
     name = smollm2.folder.name
-    with workbench_serve("--model", str(smollm2.folder)) as served:
+    with workbench_serve("--model", str(smollm2.folder), "--stream-interval", "0") as served:
         client = OpenAI(base_url=served.url + "/v1", api_key=api_key(served.port),
                         max_retries=0)
         for i in ASKED:
@@ -51,6 +51,7 @@ def test_serve_with_only_a_model_answers_chat_like_hf_generate(smollm2, smollm2_
     assert served.proc.returncode == 0, out
     # the default pool (2 CPU ranks here) serves one replica per rank
     assert re.search(rf"serving {re.escape(name)} at .* \((\d+) ranks, plan dp=\1\)", out), out
+    assert "tokens streamed as each step makes them" in out, out  # --stream-interval 0
 
 
 def test_a_tp_the_heads_refuse_is_one_line_naming_the_tp_that_work(smollm2):

@@ -63,6 +63,8 @@ def test_workbench_serve_answers_like_the_engine_and_drains_on_sigint(folder, ra
     out = served.output
     assert served.proc.returncode == 0, out
     assert "serving tiny-gpt2 at" in out and "draining" in out
+    # CPU ranks: paced by default (stream_pacing.py), said on the start line
+    assert "tokens streamed at most every 40 ms, first and last at once" in out, out
 
 
 def test_bad_invocations_fail_fast(tmp_path):
@@ -82,3 +84,8 @@ def test_bad_invocations_fail_fast(tmp_path):
                                 str(tmp_path), "--port", str(port)], capture_output=True,
                                text=True, timeout=60)
     assert taken.returncode == 2 and "port is in use" in taken.stderr
+    for bad in ("-1", "nan", "11"):
+        paced = subprocess.run([sys.executable, "-m", "workbench.cli", "serve", "--model",
+                                str(tmp_path), "--stream-interval", bad], capture_output=True,
+                               text=True, timeout=60)
+        assert paced.returncode == 2 and "give seconds from 0 to 10" in paced.stderr, bad
