@@ -53,7 +53,7 @@ if any(folder.glob("*.safetensors")):  # each rank reads and holds only its piec
 else:  # weights in another format: a whole copy per rank, then the plan cuts it
     model = AutoModelForCausalLM.from_pretrained(folder)
 engine = Engine(model, ctx=ctx, tokenizer=tokenizer, kv_mem={kv_mem!r}, adapters={adapters!r},
-                verbose=False)
+                pack_weights={pack_weights!r}, verbose=False)
 """
 
 
@@ -75,6 +75,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                       "folder's name)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="a peft LoRA adapter folder clients name as model=NAME (repeatable)")
+    p.add_argument("--pack-weights", action="store_true",
+                   help="CPU ranks: pack every linear's weights for oneDNN (faster steps of a "
+                        "few sequences or speculative drafts; a second copy of the weights in "
+                        "host memory)")
     add_limit_options(p)
     p.set_defaults(func=run)
 
@@ -130,7 +134,7 @@ def _serve(pool: Any, folder: Path, plan: str, args: argparse.Namespace) -> Any:
     from workbench.serving.server import Server
 
     run_cell(pool, BUILD.format(folder=str(folder), plan=plan, kv_mem=args.kv_mem,
-                                adapters=args.adapters),
+                                adapters=args.adapters, pack_weights=args.pack_weights),
              stream=lambda rank, name, text: rank == 0 and print(text, end=""),
              display=lambda rank, content: None)
     key, where = (None, None) if args.no_api_key else new_key(args.port, args.api_key)
