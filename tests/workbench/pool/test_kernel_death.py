@@ -252,7 +252,7 @@ def test_kernel_killed_while_serving_smollm2_on_a_slurm_pool_cancels_the_job(
         job = _start_slurm_pool(kernel)
         # the real model, one replica per rank, as ``workbench serve --model`` builds it
         build = "%%colossal\n" + BUILD.format(folder=str(smollm2.folder), plan="dp=2",
-                                              kv_mem="128MiB", adapters={})
+                                              kv_mem="128MiB", adapters={}, pack_weights=False)
         # ignore_eos: every answer runs its whole budget, so all 8 are in flight at the kill
         body = {"model": "engine", "prompt": "The history of Paris", "max_tokens": 300,
                 "temperature": 0, "ignore_eos": True}
