@@ -224,6 +224,7 @@ def report(out: dict, spec: dict, ranks: int) -> dict:
     rate = {side: [tokens / s["seconds"] for s in out[side]] for side in ("served", "every step")}
     paced = out["served"][0]["interval_s"]
     label = f"at most every {paced * 1e3:g} ms" if paced else "every step"
+    names = {"served": label, "every step": "every step"}  # how each side streamed
     print(f"{spec['clients']} concurrent streaming clients, {tokens} tokens per round; GPT-2 "
           f"h={spec['hidden']}, {spec['layers']} layers, vocab {spec['vocab']}; {ranks} ranks "
           f"(dp={ranks}), up to {spec['batch']} sequences per replica")
@@ -244,8 +245,7 @@ def report(out: dict, spec: dict, ranks: int) -> dict:
         tpot = [(r["times"][-1] - r["times"][0]) / (n - 1)
                 for r, n in ((r, (r["usage"] or {}).get("completion_tokens", 0))
                              for r in results) if n > 1]
-        name = label if side == "served" else "every step"
-        print(f"streamed {name}: time to first token p50 {_p(ttft, 0.5) * 1e3:.0f} ms, p99 "
+        print(f"streamed {names[side]}: time to first token p50 {_p(ttft, 0.5) * 1e3:.0f} ms, p99 "
               f"{_p(ttft, 0.99) * 1e3:.0f} ms; per output token p50 "
               f"{_p(tpot, 0.5) * 1e3:.1f} ms; between events p50 {_p(gaps, 0.5) * 1e3:.1f} ms, "
               f"p99 {_p(gaps, 0.99) * 1e3:.1f} ms ({len(gaps) + len(results)} events)")
@@ -257,8 +257,7 @@ def report(out: dict, spec: dict, ranks: int) -> dict:
     for side in ("served", "every step"):
         server_cpu = [s["server_cpu"] for s in out[side]]
         client_cpu = [s["client_cpu"] for s in out[side]]
-        name = label if side == "served" else "every step"
-        print(f"CPU seconds per served round, streamed {name} (the ranks share "
+        print(f"CPU seconds per served round, streamed {names[side]} (the ranks share "
               f"{os.cpu_count()} cores with it): serving process {spread(server_cpu, 2)} "
               f"({statistics.median(server_cpu) / tokens * 1e6:.0f} us per token), load "
               f"clients {spread(client_cpu, 2)}")
@@ -274,6 +273,8 @@ def report(out: dict, spec: dict, ranks: int) -> dict:
 
 
 def main(argv: list[str]) -> dict:
+    from workbench.serving.options import interval
+
     parser = argparse.ArgumentParser(prog="python -m bench serving")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--ranks", type=int, default=2)
@@ -282,7 +283,7 @@ def main(argv: list[str]) -> dict:
                         help="no per-token time split (no timestamps on the serving path)")
     parser.add_argument("--client", choices=("raw", "httpx"), default="raw",
                         help="the load client: raw (light, bench/serving/client.py) or httpx")
-    parser.add_argument("--stream-interval", type=float, default=None, metavar="S",
+    parser.add_argument("--stream-interval", type=interval, default=None, metavar="S",
                         help="the endpoint's --stream-interval (default: the server's)")
     parser.add_argument("--soak", type=float, default=None, metavar="SECONDS",
                         help="soak a real workbench serve for SECONDS (serving_soak.py)")

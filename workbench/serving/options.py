@@ -13,11 +13,16 @@ def positive_int(value: str) -> int:
     return int(value)
 
 
-def seconds(value: str) -> float:
+def _number(value: str) -> float:
+    """``value`` as a float, NaN where it is none (every check below then refuses it)."""
     try:
-        parsed = float(value)
+        return float(value)
     except ValueError:
-        parsed = float("nan")
+        return float("nan")
+
+
+def seconds(value: str) -> float:
+    parsed = _number(value)
     if not parsed > 0 or parsed == float("inf"):
         raise argparse.ArgumentTypeError(f"give a number of seconds > 0, got {value!r}")
     return parsed
@@ -26,10 +31,7 @@ def seconds(value: str) -> float:
 def interval(value: str) -> float:
     from workbench.serving.server import MAX_STREAM_INTERVAL_S
 
-    try:
-        parsed = float(value)
-    except ValueError:
-        parsed = float("nan")
+    parsed = _number(value)
     if not 0 <= parsed <= MAX_STREAM_INTERVAL_S:
         raise argparse.ArgumentTypeError(f"give seconds from 0 to {MAX_STREAM_INTERVAL_S:g}, "
                                          f"got {value!r}")
